@@ -1,0 +1,52 @@
+#include "core/strings.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace cai {
+
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string NearestKey(std::string_view key, std::span<const std::string_view> candidates) {
+  std::string_view best;
+  size_t best_distance = std::max<size_t>(2, key.size() / 3) + 1;
+  for (std::string_view candidate : candidates) {
+    size_t d = EditDistance(key, candidate);
+    // A key that is a prefix of a valid one ("bucket_cap" for "bucket_cap_mb") is a typo too.
+    if (candidate.starts_with(key) || key.starts_with(candidate)) d = std::min<size_t>(d, 1);
+    if (d < best_distance) {
+      best_distance = d;
+      best = candidate;
+    }
+  }
+  return std::string(best);
+}
+
+std::string DidYouMean(std::string_view key, std::span<const std::string_view> candidates) {
+  std::string nearest = NearestKey(key, candidates);
+  return nearest.empty() ? std::string() : " did you mean '" + nearest + "'?";
+}
+
+std::string Join(std::span<const std::string_view> items) {
+  std::string out;
+  for (std::string_view item : items) {
+    if (!out.empty()) out += ", ";
+    out += item;
+  }
+  return out;
+}
+
+}  // namespace cai

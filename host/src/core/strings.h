@@ -1,0 +1,23 @@
+// Small string helpers shared by every place that reports a bad name to the user.
+#pragma once
+
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace cai {
+
+// Levenshtein distance between two strings.
+size_t EditDistance(std::string_view a, std::string_view b);
+
+// The candidate closest to `key` by edit distance, or "" if none is close enough to be a
+// plausible typo (distance at most max(2, |key|/3)).
+std::string NearestKey(std::string_view key, std::span<const std::string_view> candidates);
+
+// " did you mean 'x'?" or "" — appended to "unknown key" messages.
+std::string DidYouMean(std::string_view key, std::span<const std::string_view> candidates);
+
+// Joins with ", ".
+std::string Join(std::span<const std::string_view> items);
+
+}  // namespace cai

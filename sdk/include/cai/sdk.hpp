@@ -1,0 +1,378 @@
+// cai SDK: a header-only C++ layer over the C ABI for plugin authors.
+//
+// Plugin authors write an ordinary C++ class; the boundary stays C. This header gives
+//  - cai::sdk::Error and Check(): host statuses become exceptions inside the plugin, and
+//    Guard() turns any exception back into a status at every entry point (none ever crosses);
+//  - RAII handles that release through the ABI (Buffer, Work, LossScaler);
+//  - typed config access (Config) and config-schema builders (BoolKey, IntKey, ...);
+//  - CAI_PLUGIN(Class): defines cai_plugin_init_v1 with two-way version negotiation and the
+//    strategy table, with required and optional methods detected at compile time.
+//
+// A strategy class provides:
+//   static constexpr const char* kName, kVersion;   static constexpr uint64_t kCapabilities;
+//   static std::span<const cai_config_key> ConfigKeys();
+//   explicit Class(const cai_create_args&);
+//   void Boost(const cai_boost_args&);  void ForwardBackward(const cai_micro_batch&);
+//   void Step(cai_step_result&);  void ZeroGrad();
+//   void Save(const cai_checkpoint_args&);  void Load(const cai_checkpoint_args&);
+//   void Stats(cai_strategy_stats&);
+// and optionally NoSync(bool), ExecutePipeline(const cai_pipeline_args&),
+//   Evaluate(const cai_micro_batch&) and
+//   static void EstimateMemory(const cai_memory_estimate_args&, cai_memory_estimate&).
+// Argument structs reach these methods normalised: fields the host did not send read as zero;
+// out structs are copied back only as far as the host's struct_size allows.
+#ifndef CAI_SDK_HPP_
+#define CAI_SDK_HPP_
+
+#include <cstring>
+#include <new>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "cai/abi.h"
+
+namespace cai::sdk {
+
+// ---- Host and errors ------------------------------------------------------------------------
+
+// The host table, set once by the entry point before anything else runs.
+inline const cai_host_api*& HostSlot() {
+  static const cai_host_api* host = nullptr;
+  return host;
+}
+inline const cai_host_api& Host() { return *HostSlot(); }
+
+// Name used as the log source; set by the entry point.
+inline const char*& PluginNameSlot() {
+  static const char* name = "plugin";
+  return name;
+}
+
+class Error : public std::runtime_error {
+ public:
+  Error(cai_status_code code, const std::string& message)
+      : std::runtime_error(message), code_(code) {}
+  cai_status_code code() const { return code_; }
+
+ private:
+  cai_status_code code_;
+};
+
+// Throws the status as an Error (and destroys it); does nothing on success (NULL).
+inline void Check(cai_status* status) {
+  if (!status) return;
+  const cai_status_code code = Host().status_code(status);
+  std::string message = Host().status_message(status);
+  Host().status_destroy(status);
+  throw Error(code, message);
+}
+
+inline cai_status* MakeStatus(cai_status_code code, std::string_view message) {
+  return Host().status_create(code, message.data(), message.size());
+}
+
+// Runs fn and returns NULL, or the status of what it threw. Never throws.
+template <class F>
+cai_status* Guard(F&& fn) noexcept {
+  try {
+    std::forward<F>(fn)();
+    return nullptr;
+  } catch (const Error& e) {
+    return MakeStatus(e.code(), e.what());
+  } catch (const std::bad_alloc&) {
+    return MakeStatus(CAI_RESOURCE_EXHAUSTED, std::string(PluginNameSlot()) + ": out of memory");
+  } catch (const std::exception& e) {
+    return MakeStatus(CAI_INTERNAL, std::string(PluginNameSlot()) + ": " + e.what());
+  } catch (...) {
+    return MakeStatus(CAI_INTERNAL, std::string(PluginNameSlot()) + ": unknown exception");
+  }
+}
+
+inline void Log(cai_log_level level, std::string_view message) {
+  Host().log(level, PluginNameSlot(), message.data(), message.size());
+}
+
+// ---- Config -------------------------------------------------------------------------------
+
+// Typed reads of the plugin's validated table. Keys must be declared in ConfigKeys().
+class Config {
+ public:
+  explicit Config(const cai_config* config) : config_(config) {}
+  bool Bool(const char* key) const {
+    bool v = false;
+    Check(Host().config_get_bool(config_, key, &v));
+    return v;
+  }
+  int64_t Int(const char* key) const {
+    int64_t v = 0;
+    Check(Host().config_get_int(config_, key, &v));
+    return v;
+  }
+  double Float(const char* key) const {
+    double v = 0;
+    Check(Host().config_get_float(config_, key, &v));
+    return v;
+  }
+  std::string String(const char* key) const {
+    const char* v = nullptr;
+    Check(Host().config_get_string(config_, key, &v));
+    return v;
+  }
+
+ private:
+  const cai_config* config_;
+};
+
+// Schema builders for a plugin's `static constexpr cai_config_key kKeys[]`.
+constexpr cai_config_key BoolKey(const char* name, const char* def, const char* doc) {
+  return {CAI_CONFIG_KEY_STRUCT_SIZE, nullptr, name, CAI_CONFIG_BOOL, def, doc, nullptr, 0, 0, 0};
+}
+constexpr cai_config_key IntKey(const char* name, const char* def, const char* doc,
+                                double min = 0, double max = 0, uint64_t flags = 0) {
+  return {CAI_CONFIG_KEY_STRUCT_SIZE, nullptr, name, CAI_CONFIG_INT, def, doc, nullptr, flags, min,
+          max};
+}
+constexpr cai_config_key FloatKey(const char* name, const char* def, const char* doc,
+                                  double min = 0, double max = 0, uint64_t flags = 0) {
+  return {CAI_CONFIG_KEY_STRUCT_SIZE, nullptr, name, CAI_CONFIG_FLOAT, def, doc, nullptr, flags,
+          min, max};
+}
+constexpr cai_config_key StringKey(const char* name, const char* def, const char* doc,
+                                   const char* const* choices = nullptr) {
+  return {CAI_CONFIG_KEY_STRUCT_SIZE, nullptr, name, CAI_CONFIG_STRING, def, doc, choices, 0, 0, 0};
+}
+
+// ---- RAII handles -------------------------------------------------------------------------
+
+// Memory from the host's pool; freed through the pool.
+class Buffer {
+ public:
+  Buffer() = default;
+  static Buffer Alloc(cai_mem_tier tier, size_t bytes, const char* tag, bool zero_fill = false) {
+    cai_mem_alloc_args args{};
+    args.struct_size = CAI_MEM_ALLOC_ARGS_STRUCT_SIZE;
+    args.tier = tier;
+    args.bytes = bytes;
+    args.tag = tag;
+    args.zero_fill = zero_fill;
+    Buffer b;
+    Check(Host().mempool->alloc(&args, &b.buffer_));
+    return b;
+  }
+  Buffer(Buffer&& other) noexcept : buffer_(std::exchange(other.buffer_, nullptr)) {}
+  Buffer& operator=(Buffer&& other) noexcept {
+    std::swap(buffer_, other.buffer_);
+    return *this;
+  }
+  ~Buffer() {
+    if (buffer_) Host().mempool->free(buffer_);
+  }
+  void* data() const { return buffer_ ? Host().mempool->data(buffer_) : nullptr; }
+  size_t size() const { return buffer_ ? Host().mempool->size(buffer_) : 0; }
+  cai_buffer* get() const { return buffer_; }
+
+ private:
+  cai_buffer* buffer_ = nullptr;
+};
+
+// A collective in flight; released (after waiting) through the communicator.
+class Work {
+ public:
+  Work() = default;
+  explicit Work(cai_comm_work* work) : work_(work) {}
+  Work(Work&& other) noexcept : work_(std::exchange(other.work_, nullptr)) {}
+  Work& operator=(Work&& other) noexcept {
+    std::swap(work_, other.work_);
+    return *this;
+  }
+  ~Work() {
+    if (work_) Host().comm->work_release(work_);
+  }
+  void Wait(int64_t timeout_ms = 0) {
+    if (work_) Check(Host().comm->work_wait(work_, timeout_ms));
+  }
+  bool valid() const { return work_ != nullptr; }
+
+ private:
+  cai_comm_work* work_ = nullptr;
+};
+
+class LossScaler {
+ public:
+  explicit LossScaler(const cai_loss_scaler_config& config) {
+    Check(Host().optimizer->loss_scaler_create(&config, &scaler_));
+  }
+  LossScaler(const LossScaler&) = delete;
+  LossScaler& operator=(const LossScaler&) = delete;
+  ~LossScaler() { Host().optimizer->loss_scaler_destroy(scaler_); }
+  double scale() const { return Host().optimizer->loss_scaler_scale(scaler_); }
+  // Returns true when the step must be skipped.
+  bool Update(bool found_inf) { return Host().optimizer->loss_scaler_update(scaler_, found_inf); }
+  cai_loss_scaler* get() const { return scaler_; }
+
+ private:
+  cai_loss_scaler* scaler_ = nullptr;
+};
+
+// ---- Entry point --------------------------------------------------------------------------
+
+namespace detail {
+
+// A copy of an argument struct with the fields the caller did not send zeroed.
+template <class S>
+S Normalised(const S* in) {
+  S out{};
+  if (in) std::memcpy(&out, in, in->struct_size < sizeof(S) ? in->struct_size : sizeof(S));
+  out.struct_size = sizeof(S);
+  return out;
+}
+
+// Copies an out struct back, never beyond the caller's struct_size, keeping its header.
+template <class S>
+void CopyOut(S* dst, const S& src) {
+  constexpr size_t kHeader = sizeof(size_t) + sizeof(cai_extension_base*);
+  const size_t limit = dst->struct_size < sizeof(S) ? dst->struct_size : sizeof(S);
+  if (limit > kHeader) {
+    std::memcpy(reinterpret_cast<char*>(dst) + kHeader,
+                reinterpret_cast<const char*>(&src) + kHeader, limit - kHeader);
+  }
+}
+
+template <class S, class F>
+cai_status* WithArgs(const S* args, F&& fn) noexcept {
+  if (!args) return MakeStatus(CAI_INVALID_ARGUMENT, "argument struct is NULL");
+  return Guard([&] { fn(Normalised(args)); });
+}
+
+template <class S, class F>
+cai_status* WithOut(S* out, F&& fn) noexcept {
+  if (!out) return MakeStatus(CAI_INVALID_ARGUMENT, "result struct is NULL");
+  return Guard([&] {
+    S full{};
+    full.struct_size = sizeof(S);
+    fn(full);
+    CopyOut(out, full);
+  });
+}
+
+template <class T>
+T* Self(cai_strategy* s) {
+  return reinterpret_cast<T*>(s);
+}
+
+template <class T>
+cai_plugin_api MakeTable() {
+  static const std::span<const cai_config_key> keys = T::ConfigKeys();
+  cai_plugin_api api{};
+  api.struct_size = CAI_PLUGIN_API_STRUCT_SIZE;
+  api.name = T::kName;
+  api.version = T::kVersion;
+  api.capabilities = T::kCapabilities;
+  api.config_keys = keys.data();
+  api.num_config_keys = keys.size();
+  api.create = [](const cai_create_args* args, cai_strategy** out) -> cai_status* {
+    if (!out) return MakeStatus(CAI_INVALID_ARGUMENT, "create: out is NULL");
+    return WithArgs(args, [&](const cai_create_args& a) {
+      *out = reinterpret_cast<cai_strategy*>(new T(a));
+    });
+  };
+  api.destroy = [](cai_strategy* s) { delete Self<T>(s); };
+  api.boost = [](cai_strategy* s, const cai_boost_args* args) {
+    return WithArgs(args, [&](const cai_boost_args& a) { Self<T>(s)->Boost(a); });
+  };
+  api.forward_backward = [](cai_strategy* s, const cai_micro_batch* batch) {
+    return WithArgs(batch, [&](const cai_micro_batch& b) { Self<T>(s)->ForwardBackward(b); });
+  };
+  if constexpr (requires(T t, const cai_pipeline_args& a) { t.ExecutePipeline(a); }) {
+    api.execute_pipeline = [](cai_strategy* s, const cai_pipeline_args* args) {
+      return WithArgs(args, [&](const cai_pipeline_args& a) { Self<T>(s)->ExecutePipeline(a); });
+    };
+  }
+  if constexpr (requires(T t) { t.NoSync(true); }) {
+    api.no_sync = [](cai_strategy* s, bool enabled) {
+      return Guard([&] { Self<T>(s)->NoSync(enabled); });
+    };
+  }
+  api.step = [](cai_strategy* s, cai_step_result* out) {
+    return WithOut(out, [&](cai_step_result& r) { Self<T>(s)->Step(r); });
+  };
+  api.zero_grad = [](cai_strategy* s) { return Guard([&] { Self<T>(s)->ZeroGrad(); }); };
+  api.save = [](cai_strategy* s, const cai_checkpoint_args* args) {
+    return WithArgs(args, [&](const cai_checkpoint_args& a) { Self<T>(s)->Save(a); });
+  };
+  api.load = [](cai_strategy* s, const cai_checkpoint_args* args) {
+    return WithArgs(args, [&](const cai_checkpoint_args& a) { Self<T>(s)->Load(a); });
+  };
+  api.stats = [](cai_strategy* s, cai_strategy_stats* out) {
+    return WithOut(out, [&](cai_strategy_stats& r) { Self<T>(s)->Stats(r); });
+  };
+#if CAI_ABI_MINOR >= 1
+  if constexpr (requires(const cai_memory_estimate_args& a, cai_memory_estimate& e) {
+                  T::EstimateMemory(a, e);
+                }) {
+    api.estimate_memory = [](const cai_memory_estimate_args* args, cai_memory_estimate* out) {
+      if (!out) return MakeStatus(CAI_INVALID_ARGUMENT, "estimate_memory: out is NULL");
+      return WithArgs(args, [&](const cai_memory_estimate_args& a) {
+        cai_memory_estimate full{};
+        full.struct_size = sizeof full;
+        T::EstimateMemory(a, full);
+        CopyOut(out, full);
+      });
+    };
+  }
+  if constexpr (requires(T t, const cai_micro_batch& b) { t.Evaluate(b); }) {
+    api.evaluate = [](cai_strategy* s, const cai_micro_batch* batch) {
+      return WithArgs(batch, [&](const cai_micro_batch& b) { Self<T>(s)->Evaluate(b); });
+    };
+  }
+#endif
+  return api;
+}
+
+template <class T>
+cai_status* Init(cai_plugin_init_args* args) noexcept {
+  // Without a usable host table there is no way to create a status: leave the outputs unset,
+  // which the host reports as a refused negotiation.
+  if (!args || args->struct_size < CAI_PLUGIN_INIT_ARGS_STRUCT_SIZE || !args->host ||
+      args->host->struct_size < CAI_STRUCT_SIZE(cai_host_api, status_message)) {
+    return nullptr;
+  }
+  const cai_host_api* host = args->host;
+  auto refuse = [&](const std::string& why) {
+    return host->status_create(CAI_FAILED_PRECONDITION, why.data(), why.size());
+  };
+  const std::string built = std::to_string(CAI_ABI_MAJOR) + "." + std::to_string(CAI_ABI_MINOR);
+  if (args->host_abi_major != CAI_ABI_MAJOR) {
+    return refuse(std::string(T::kName) + " is built for cai ABI " + built + "; the host speaks " +
+                  std::to_string(args->host_abi_major) + "." +
+                  std::to_string(args->host_abi_minor));
+  }
+  if (args->host_abi_minor < CAI_TARGET_ABI_MINOR) {
+    return refuse(std::string(T::kName) + " needs host ABI " + std::to_string(CAI_ABI_MAJOR) +
+                  "." + std::to_string(CAI_TARGET_ABI_MINOR) + " or newer; the host is " +
+                  std::to_string(args->host_abi_major) + "." +
+                  std::to_string(args->host_abi_minor));
+  }
+  HostSlot() = host;
+  PluginNameSlot() = T::kName;
+  return Guard([&] {
+    static const cai_plugin_api table = MakeTable<T>();
+    args->plugin_abi_minor = CAI_ABI_MINOR;
+    args->plugin_min_host_minor = CAI_TARGET_ABI_MINOR;
+    args->plugin = &table;
+  });
+}
+
+}  // namespace detail
+}  // namespace cai::sdk
+
+// Defines the plugin's single exported symbol for strategy class T.
+#define CAI_PLUGIN(T)                                                                 \
+  extern "C" CAI_EXPORT cai_status* cai_plugin_init_v1(cai_plugin_init_args* args) { \
+    return ::cai::sdk::detail::Init<T>(args);                                         \
+  }
+
+#endif  // CAI_SDK_HPP_

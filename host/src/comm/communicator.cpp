@@ -1,0 +1,822 @@
+// Backend map (also returned by backend_info):
+//
+// Gloo, CPU tensors — every collective at its own byte cost, on libgloo alone:
+//   all_reduce      gloo::allreduce, ring (reduce-scatter + all-gather, 2(n-1)/n of the tensor
+//                   sent per rank); custom reduction functions give every dtype and op,
+//                   bf16/fp16 reduced in fp32 and rounded per step; avg = sum / n.
+//   reduce_scatter  our ring on Gloo's unbound buffers (gloo_ops.cpp): (n-1)/n of the input.
+//   all_gather      gloo::allgather, ring: (n-1)/n of the output.
+//   broadcast       gloo::broadcast from the root.
+//   reduce          gloo::reduce: ring reduce-scatter, then the chunks gathered at the root.
+//   all_to_all      gloo::alltoall, pairwise exchange.
+//   send / recv     Gloo unbound buffers on a slot derived from the tag.
+//   barrier         gloo::barrier.
+// NCCL, CUDA tensors (nccl_backend.h, built with CAI_WITH_CUDA): ncclAllReduce,
+//   ncclReduceScatter, ncclAllGather, ncclBroadcast, ncclReduce, grouped ncclSend/ncclRecv for
+//   all_to_all, ncclSend/ncclRecv; ncclAvg for avg.
+//
+// Why not c10d's ProcessGroupGloo: in LibTorch 1.13 it has no reduce_scatter or
+// _allgather_base and cannot all-reduce bf16, so ZeRO would pay an all-reduce (twice the
+// bytes) for every reduce-scatter. Only c10d's TCPStore is used, for the rendezvous. Debian's
+// libtorch_cpu links the system libgloo.so.0 instead of bundling Gloo (nm -D exports no gloo::
+// definitions), so there is one copy of Gloo in the process; an upstream LibTorch that bundles
+// and exports Gloo must be paired with Gloo headers of the same commit.
+//
+// Threads: each group has a worker that runs its operations in issue order (so they overlap
+// with the caller's compute) and a point-to-point waiter, so that a posted send does not hold
+// up the receive queued after it (Gloo moves the data only once both sides have posted). A
+// reporter thread publishes, per group, the last collective each rank started; a rank whose
+// collective times out reads it back to name the ranks that never arrived.
+#include "comm/communicator.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include "comm/gloo_ops.h"
+#include "comm/store.h"
+#include "core/status.h"
+
+using cai::comm::Buffer;
+using cai::comm::DType;
+using cai::comm::OpSpec;
+
+namespace {
+
+struct Counters {
+  std::array<std::atomic<uint64_t>, CAI_COMM_NUM_OPS> calls{};
+  std::array<std::atomic<uint64_t>, CAI_COMM_NUM_OPS> bytes{};
+  void Add(cai_comm_op op, uint64_t n) {
+    calls[op].fetch_add(1, std::memory_order_relaxed);
+    bytes[op].fetch_add(n, std::memory_order_relaxed);
+  }
+  void Reset() {
+    for (auto& c : calls) c.store(0, std::memory_order_relaxed);
+    for (auto& b : bytes) b.store(0, std::memory_order_relaxed);
+  }
+  void CopyTo(cai_comm_counters& out) const {
+    for (int i = 0; i < CAI_COMM_NUM_OPS; ++i) {
+      out.calls[i] = calls[i].load(std::memory_order_relaxed);
+      out.bytes[i] = bytes[i].load(std::memory_order_relaxed);
+    }
+  }
+};
+
+constexpr const char* kGlooBackendInfo =
+    "gloo (libgloo, TCP): all_reduce=gloo::allreduce ring, custom reductions for every "
+    "dtype/op, bf16/fp16 reduced in fp32; reduce_scatter=ring on gloo unbound buffers, "
+    "(n-1)/n of the input per rank; all_gather=gloo::allgather ring; "
+    "broadcast=gloo::broadcast; reduce=gloo::reduce (ring reduce-scatter + gather to root); "
+    "all_to_all=gloo::alltoall; send/recv=gloo unbound buffers; barrier=gloo::barrier";
+
+}  // namespace
+
+// An operation in flight. Shared by the caller's handle and the group's threads.
+struct WorkState {
+  OpSpec spec;
+  std::string description;  // "all_reduce #3 on group 'world' (rank 0 of 3)"
+  uint64_t seq = 0;         // collectives only: 1-based position in the group's order
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  cai_status_code code = CAI_OK;
+  std::string message;
+
+  void Finish(cai_status_code c, std::string m) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+      code = c;
+      message = std::move(m);
+    }
+    cv.notify_all();
+  }
+};
+
+struct cai_comm_work {
+  std::shared_ptr<WorkState> state;
+};
+
+struct cai_comm_group {
+  cai::Communicator::Impl* owner = nullptr;
+  int id = 0;
+  std::string name;
+  std::vector<int> world_ranks;
+  int rank = 0;
+  int size = 0;
+  std::chrono::milliseconds timeout{0};
+  std::shared_ptr<gloo::Context> context;
+  Counters counters;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<WorkState>> queue;
+  std::deque<std::pair<std::shared_ptr<WorkState>,
+                       std::unique_ptr<gloo::transport::UnboundBuffer>>> p2p;
+  std::condition_variable p2p_cv;
+  bool stopping = false;
+  uint64_t issued = 0;  // collectives issued so far
+  std::string broken;   // why the group cannot be used any more; empty while healthy
+  std::thread worker;
+  std::thread p2p_waiter;
+
+  std::string RankName(int group_rank) const {
+    if (name == "world") return "rank " + std::to_string(group_rank);
+    return "rank " + std::to_string(group_rank) + " (world rank " +
+           std::to_string(world_ranks[group_rank]) + ")";
+  }
+};
+
+namespace cai {
+
+namespace {
+
+std::mutex g_instance_mu;
+std::unique_ptr<Communicator> g_instance;
+
+// The last collective each rank of each group started, published through the store so that a
+// rank whose collective times out can tell which peers never reached it.
+class ProgressBoard {
+ public:
+  explicit ProgressBoard(std::unique_ptr<comm::Store> store)
+      : store_(std::move(store)), thread_([this] { Loop(); }) {}
+  ~ProgressBoard() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  static std::string Key(int group_id, int group_rank) {
+    return "cai/progress/" + std::to_string(group_id) + "/" + std::to_string(group_rank);
+  }
+
+  void Started(int group_id, int group_rank, uint64_t seq) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      dirty_[Key(group_id, group_rank)] = seq;
+    }
+    cv_.notify_one();
+  }
+
+  // For each peer of `group` that has not started collective `seq`, a phrase naming it.
+  std::vector<std::string> Laggards(const cai_comm_group& group, uint64_t seq) {
+    std::vector<std::string> out;
+    for (int r = 0; r < group.size; ++r) {
+      if (r == group.rank) continue;
+      std::optional<std::string> value;
+      try {
+        value = store_->TryGet(Key(group.id, r));
+      } catch (const std::exception&) {
+        return {};  // the store is gone with rank 0; nothing can be said
+      }
+      const uint64_t last = value ? std::stoull(*value) : 0;
+      if (last >= seq) continue;
+      out.push_back(group.RankName(r) + (last == 0 ? " has not started any collective"
+                                                   : " is still at collective #" +
+                                                         std::to_string(last)));
+    }
+    return out;
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      cv_.wait(lock, [&] { return stop_ || !dirty_.empty(); });
+      auto batch = std::exchange(dirty_, {});
+      lock.unlock();
+      for (const auto& [key, seq] : batch) {
+        try {
+          store_->SetString(key, std::to_string(seq));
+        } catch (const std::exception&) {
+          // Rank 0 (the store) may have shut down first; progress is only diagnostics.
+        }
+      }
+      lock.lock();
+      // At most ~100 writes a second per rank: progress is read only after a timeout.
+      cv_.wait_for(lock, std::chrono::milliseconds(10), [&] { return stop_; });
+    }
+  }
+
+  std::unique_ptr<comm::Store> store_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, uint64_t> dirty_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+std::string ResolveBindAddress(const CommOptions& options) {
+  if (!options.bind_addr.empty()) return options.bind_addr;
+  in_addr master{};
+  if (options.master_addr == "localhost" ||
+      (inet_pton(AF_INET, options.master_addr.c_str(), &master) == 1 &&
+       (ntohl(master.s_addr) >> 24) == 127)) {
+    return "127.0.0.1";
+  }
+  // The address this host would use to reach the master: connect() on a UDP socket picks the
+  // route without sending anything.
+  int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  sockaddr_in dst{};
+  dst.sin_family = AF_INET;
+  dst.sin_port = htons(static_cast<uint16_t>(options.master_port));
+  dst.sin_addr = master;
+  sockaddr_in local{};
+  socklen_t len = sizeof(local);
+  char text[INET_ADDRSTRLEN] = {};
+  const bool ok = fd >= 0 && inet_pton(AF_INET, options.master_addr.c_str(), &master) == 1 &&
+                  connect(fd, reinterpret_cast<sockaddr*>(&dst), sizeof(dst)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+                  inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text)) != nullptr;
+  if (fd >= 0) close(fd);
+  if (!ok) {
+    throw Error(CAI_INVALID_ARGUMENT,
+                "cannot choose a local address to reach master_addr '" + options.master_addr +
+                    "'; give an IPv4 master address or set the bind address explicitly");
+  }
+  return text;
+}
+
+DType ToDType(const cai_dtype& d, const std::string& where) {
+  if (d.lanes == 1) {
+    if (d.code == CAI_DTYPE_FLOAT && d.bits == 32) return DType::kF32;
+    if (d.code == CAI_DTYPE_FLOAT && d.bits == 64) return DType::kF64;
+    if (d.code == CAI_DTYPE_FLOAT && d.bits == 16) return DType::kF16;
+    if (d.code == CAI_DTYPE_BFLOAT && d.bits == 16) return DType::kBF16;
+    if (d.code == CAI_DTYPE_INT && d.bits == 32) return DType::kI32;
+    if (d.code == CAI_DTYPE_INT && d.bits == 64) return DType::kI64;
+    if (d.code == CAI_DTYPE_UINT && d.bits == 8) return DType::kU8;
+  }
+  throw Error(CAI_INVALID_ARGUMENT,
+              where + " has dtype {code " + std::to_string(d.code) + ", bits " +
+                  std::to_string(d.bits) + ", lanes " + std::to_string(d.lanes) +
+                  "}; the communicator takes fp32, fp64, bf16, fp16, int32, int64 and uint8");
+}
+
+Buffer ToBuffer(const cai_tensor* t, const std::string& where) {
+  if (t == nullptr) throw Error(CAI_INVALID_ARGUMENT, where + " is NULL");
+  Buffer b;
+  b.dtype = ToDType(t->dtype, where);
+  if (t->device.device_type != CAI_DEVICE_CPU && t->device.device_type != CAI_DEVICE_CUDA_HOST) {
+    throw Error(CAI_UNIMPLEMENTED,
+                where + " is on device type " + std::to_string(t->device.device_type) +
+                    "; this communicator runs Gloo and takes host memory only");
+  }
+  if (t->ndim < 0 || (t->ndim > 0 && (t->shape == nullptr || t->strides == nullptr))) {
+    throw Error(CAI_INVALID_ARGUMENT, where + " has ndim " + std::to_string(t->ndim) +
+                                          " but no shape or strides");
+  }
+  int64_t numel = 1;
+  int64_t expected_stride = 1;
+  for (int d = t->ndim - 1; d >= 0; --d) {
+    if (t->shape[d] < 0) {
+      throw Error(CAI_INVALID_ARGUMENT, where + " has a negative extent in dimension " +
+                                            std::to_string(d));
+    }
+    if (t->shape[d] != 1 && t->strides[d] != expected_stride) {
+      throw Error(CAI_INVALID_ARGUMENT, where + " is not contiguous (dimension " +
+                                            std::to_string(d) + " has stride " +
+                                            std::to_string(t->strides[d]) + ", expected " +
+                                            std::to_string(expected_stride) + ")");
+    }
+    expected_stride *= t->shape[d];
+    numel *= t->shape[d];
+  }
+  if (t->data == nullptr && numel > 0) {
+    throw Error(CAI_INVALID_ARGUMENT, where + " has " + std::to_string(numel) +
+                                          " elements but a NULL data pointer");
+  }
+  b.numel = static_cast<size_t>(numel);
+  b.data = static_cast<std::byte*>(t->data) + t->byte_offset;
+  return b;
+}
+
+std::string Numel(const Buffer& b) { return std::to_string(b.numel); }
+
+}  // namespace
+
+const char* CommOpName(cai_comm_op op) {
+  static constexpr const char* kNames[CAI_COMM_NUM_OPS] = {
+      "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
+      "all_to_all", "send",           "recv",       "barrier"};
+  return op >= 0 && op < CAI_COMM_NUM_OPS ? kNames[op] : "unknown_op";
+}
+
+class Communicator::Impl {
+ public:
+  explicit Impl(const CommOptions& options) : options_(options) {
+    if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
+      throw Error(CAI_INVALID_ARGUMENT, "communicator: rank " + std::to_string(options.rank) +
+                                            " is not within world size " +
+                                            std::to_string(options.world_size));
+    }
+    if (options.timeout.count() <= 0) {
+      throw Error(CAI_INVALID_ARGUMENT, "communicator: the timeout must be positive");
+    }
+    store_ = std::make_unique<comm::Store>(options.master_addr, options.master_port,
+                                           options.rank == 0, options.timeout);
+    progress_ = std::make_unique<ProgressBoard>(std::make_unique<comm::Store>(
+        options.master_addr, options.master_port, false, options.timeout));
+    gloo::transport::tcp::attr attr;
+    attr.hostname = ResolveBindAddress(options);
+    device_ = gloo::transport::tcp::CreateDevice(attr);
+    std::vector<int32_t> all(options.world_size);
+    for (int i = 0; i < options.world_size; ++i) all[i] = i;
+    world_ = CreateGroup(all, "world");
+  }
+
+  ~Impl() {
+    std::vector<cai_comm_group*> groups;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      groups.assign(groups_.begin(), groups_.end());
+    }
+    for (auto* g : groups) DestroyGroup(g);
+  }
+
+  const CommOptions& options() const { return options_; }
+  cai_comm_group* world() const { return world_; }
+
+  cai_comm_group* Group(const cai_comm_group* group) const {
+    return group ? const_cast<cai_comm_group*>(group) : world_;
+  }
+
+  cai_comm_group* NewGroup(std::span<const int32_t> ranks) {
+    if (ranks.empty()) throw Error(CAI_INVALID_ARGUMENT, "new_group: the rank list is empty");
+    std::set<int32_t> seen;
+    for (int32_t r : ranks) {
+      if (r < 0 || r >= options_.world_size) {
+        throw Error(CAI_INVALID_ARGUMENT, "new_group: rank " + std::to_string(r) +
+                                              " is outside the world of " +
+                                              std::to_string(options_.world_size));
+      }
+      if (!seen.insert(r).second) {
+        throw Error(CAI_INVALID_ARGUMENT, "new_group: rank " + std::to_string(r) +
+                                              " is listed twice");
+      }
+    }
+    std::string name;
+    for (int32_t r : ranks) name += (name.empty() ? "" : ",") + std::to_string(r);
+    return CreateGroup(ranks, "group " + std::to_string(next_group_id_.load()) + " [" + name +
+                                  "]");
+  }
+
+  void DestroyGroup(cai_comm_group* g) {
+    if (g == nullptr) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!groups_.erase(g)) return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(g->mu);
+      g->stopping = true;
+    }
+    g->cv.notify_all();
+    g->p2p_cv.notify_all();
+    g->worker.join();
+    g->p2p_waiter.join();
+    delete g;
+  }
+
+  cai_comm_work* Run(const cai_comm_args& args) {
+    if (args.struct_size < CAI_COMM_ARGS_STRUCT_SIZE) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "cai_comm_args.struct_size is " + std::to_string(args.struct_size) +
+                      ", smaller than the " + std::to_string(CAI_COMM_ARGS_STRUCT_SIZE) +
+                      " bytes of ABI v1.0 (set it to CAI_COMM_ARGS_STRUCT_SIZE)");
+    }
+    if (args.op < 0 || args.op >= CAI_COMM_NUM_OPS) {
+      throw Error(CAI_INVALID_ARGUMENT, "run: unknown cai_comm_op " + std::to_string(args.op));
+    }
+    cai_comm_group* g = Group(args.group);
+    auto work = std::make_shared<WorkState>();
+    OpSpec& spec = work->spec;
+    spec.op = args.op;
+    spec.reduce = args.reduce_op;
+    spec.root = args.root;
+    spec.peer = args.peer;
+    spec.timeout =
+        args.timeout_ms > 0 ? std::chrono::milliseconds(args.timeout_ms) : g->timeout;
+    const std::string op = CommOpName(args.op);
+    const std::string where = op + " on group '" + g->name + "'";
+    if (args.timeout_ms < 0) {
+      throw Error(CAI_INVALID_ARGUMENT, where + ": timeout_ms is negative");
+    }
+    if (args.tag < 0) throw Error(CAI_INVALID_ARGUMENT, where + ": tag is negative");
+    spec.tag = static_cast<uint32_t>(args.tag);
+    const size_t n = static_cast<size_t>(g->size);
+    auto check_root = [&] {
+      if (args.root < 0 || args.root >= g->size) {
+        throw Error(CAI_INVALID_ARGUMENT, where + ": root " + std::to_string(args.root) +
+                                              " is not a rank of this " +
+                                              std::to_string(g->size) + "-rank group");
+      }
+    };
+    auto check_reduce = [&] {
+      if (args.reduce_op < CAI_REDUCE_SUM || args.reduce_op > CAI_REDUCE_PRODUCT) {
+        throw Error(CAI_INVALID_ARGUMENT,
+                    where + ": unknown cai_reduce_op " + std::to_string(args.reduce_op));
+      }
+    };
+    auto both = [&] {
+      spec.input = ToBuffer(args.input, where + ": input");
+      spec.output = ToBuffer(args.output, where + ": output");
+      if (spec.input.dtype != spec.output.dtype) {
+        throw Error(CAI_INVALID_ARGUMENT, where + ": input is " +
+                                              comm::DTypeName(spec.input.dtype) +
+                                              " but output is " +
+                                              comm::DTypeName(spec.output.dtype));
+      }
+    };
+    uint64_t counted = 0;
+    switch (args.op) {
+      case CAI_COMM_ALL_REDUCE:
+        check_reduce();
+        spec.output = ToBuffer(args.output, where + ": output");
+        counted = spec.output.bytes();
+        break;
+      case CAI_COMM_REDUCE_SCATTER:
+        check_reduce();
+        both();
+        if (spec.input.numel != n * spec.output.numel) {
+          throw Error(CAI_INVALID_ARGUMENT, where + ": input has " + Numel(spec.input) +
+                                                " elements, expected group size " +
+                                                std::to_string(n) + " x output's " +
+                                                Numel(spec.output));
+        }
+        counted = spec.input.bytes();
+        break;
+      case CAI_COMM_ALL_GATHER:
+        both();
+        if (spec.output.numel != n * spec.input.numel) {
+          throw Error(CAI_INVALID_ARGUMENT, where + ": output has " + Numel(spec.output) +
+                                                " elements, expected group size " +
+                                                std::to_string(n) + " x input's " +
+                                                Numel(spec.input));
+        }
+        counted = spec.input.bytes();
+        break;
+      case CAI_COMM_BROADCAST:
+        check_root();
+        spec.output = ToBuffer(args.output, where + ": output");
+        counted = spec.output.bytes();
+        break;
+      case CAI_COMM_REDUCE:
+        check_root();
+        check_reduce();
+        spec.output = ToBuffer(args.output, where + ": output");
+        counted = spec.output.bytes();
+        break;
+      case CAI_COMM_ALL_TO_ALL:
+        both();
+        if (spec.input.numel != spec.output.numel || spec.input.numel % n != 0) {
+          throw Error(CAI_INVALID_ARGUMENT, where + ": input (" + Numel(spec.input) +
+                                                " elements) and output (" +
+                                                Numel(spec.output) +
+                                                ") must be equal and divisible by the group "
+                                                "size " + std::to_string(n));
+        }
+        counted = spec.input.bytes();
+        break;
+      case CAI_COMM_SEND:
+      case CAI_COMM_RECV:
+        if (args.peer < 0 || args.peer >= g->size || args.peer == g->rank) {
+          throw Error(CAI_INVALID_ARGUMENT, where + ": peer " + std::to_string(args.peer) +
+                                                " is not another rank of this " +
+                                                std::to_string(g->size) + "-rank group");
+        }
+        if (args.op == CAI_COMM_SEND) {
+          spec.input = ToBuffer(args.input, where + ": input");
+          counted = spec.input.bytes();
+        } else {
+          spec.output = ToBuffer(args.output, where + ": output");
+          counted = spec.output.bytes();
+        }
+        break;
+      case CAI_COMM_BARRIER:
+        break;
+    }
+    {
+      std::lock_guard<std::mutex> lock(g->mu);
+      if (args.op == CAI_COMM_SEND || args.op == CAI_COMM_RECV) {
+        work->description = op + (args.op == CAI_COMM_SEND ? " to " : " from ") +
+                            g->RankName(args.peer) + " (tag " + std::to_string(args.tag) +
+                            ") on group '" + g->name + "'";
+      } else {
+        work->seq = ++g->issued;
+        work->description = op + " #" + std::to_string(work->seq) + " on group '" + g->name + "'";
+      }
+      work->description += " (" + g->RankName(g->rank) + " of " + std::to_string(g->size) + ")";
+      g->queue.push_back(work);
+    }
+    g->counters.Add(args.op, counted);
+    totals_.Add(args.op, counted);
+    g->cv.notify_one();
+    return new cai_comm_work{std::move(work)};
+  }
+
+  cai_comm_counters Counters(const cai_comm_group* group) const {
+    cai_comm_counters out{};
+    out.struct_size = CAI_COMM_COUNTERS_STRUCT_SIZE;
+    (group ? group->counters : totals_).CopyTo(out);
+    return out;
+  }
+
+  void ResetCounters() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto* g : groups_) g->counters.Reset();
+    totals_.Reset();
+  }
+
+ private:
+  cai_comm_group* CreateGroup(std::span<const int32_t> ranks, std::string name) {
+    const int id = next_group_id_.fetch_add(1);
+    auto it = std::find(ranks.begin(), ranks.end(), options_.rank);
+    if (it == ranks.end()) return nullptr;
+    auto g = std::make_unique<cai_comm_group>();
+    g->owner = this;
+    g->id = id;
+    g->name = std::move(name);
+    g->world_ranks.assign(ranks.begin(), ranks.end());
+    g->rank = static_cast<int>(it - ranks.begin());
+    g->size = static_cast<int>(ranks.size());
+    g->timeout = options_.timeout;
+    Join(*g);
+    auto context = std::make_shared<gloo::rendezvous::Context>(g->rank, g->size);
+    context->setTimeout(options_.timeout);
+    gloo::rendezvous::PrefixStore prefix("cai/gloo/" + std::to_string(id), *store_);
+    try {
+      context->connectFullMesh(prefix, device_);
+    } catch (const gloo::Exception& e) {
+      throw Error(CAI_UNAVAILABLE, "connecting the ranks of group '" + g->name + "' failed on " +
+                                       g->RankName(g->rank) + ": " + e.what());
+    }
+    g->context = std::move(context);
+    cai_comm_group* raw = g.get();
+    raw->worker = std::thread([this, raw] { WorkerLoop(*raw); });
+    raw->p2p_waiter = std::thread([raw] { PointToPointLoop(*raw); });
+    std::lock_guard<std::mutex> lock(mu_);
+    groups_.insert(g.release());
+    return raw;
+  }
+
+  // Every member announces itself, then waits for the others, so that a rank that never
+  // comes is reported by name rather than as a Gloo connection timeout.
+  void Join(cai_comm_group& g) {
+    const std::string prefix = "cai/join/" + std::to_string(g.id) + "/";
+    store_->SetString(prefix + std::to_string(g.rank), "1");
+    std::vector<std::string> keys;
+    for (int r = 0; r < g.size; ++r) keys.push_back(prefix + std::to_string(r));
+    try {
+      store_->wait(keys, options_.timeout);
+    } catch (const Error&) {
+      std::string missing;
+      for (const auto& key : store_->Missing(keys)) {
+        missing += (missing.empty() ? "" : ", ") +
+                   g.RankName(std::stoi(key.substr(prefix.size())));
+      }
+      throw Error(CAI_DEADLINE_EXCEEDED,
+                  "rendezvous of group '" + g.name + "' at " + options_.master_addr + ":" +
+                      std::to_string(options_.master_port) + " timed out after " +
+                      std::to_string(options_.timeout.count()) + " ms on " +
+                      g.RankName(g.rank) + ": " + missing + " did not join");
+    }
+  }
+
+  static void Fail(cai_comm_group& g, WorkState& w, cai_status_code code,
+                   const std::string& message) {
+    {
+      std::lock_guard<std::mutex> lock(g.mu);
+      if (g.broken.empty()) g.broken = w.description + ": " + message;
+    }
+    w.Finish(code, w.description + ": " + message);
+  }
+
+  // Gloo reports everything as gloo::Exception; its message tells a timeout from a peer that
+  // went away.
+  static cai_status_code Classify(const std::string& what) {
+    if (what.find("Timed out") != std::string::npos ||
+        what.find("imeout") != std::string::npos) {
+      return CAI_DEADLINE_EXCEEDED;
+    }
+    if (what.find("closed") != std::string::npos || what.find("reset") != std::string::npos) {
+      return CAI_UNAVAILABLE;
+    }
+    return CAI_INTERNAL;
+  }
+
+  void WorkerLoop(cai_comm_group& g) {
+    for (;;) {
+      std::shared_ptr<WorkState> w;
+      std::string broken;
+      {
+        std::unique_lock<std::mutex> lock(g.mu);
+        g.cv.wait(lock, [&] { return g.stopping || !g.queue.empty(); });
+        if (g.queue.empty()) return;
+        w = std::move(g.queue.front());
+        g.queue.pop_front();
+        broken = g.broken;
+      }
+      if (!broken.empty()) {
+        w->Finish(CAI_FAILED_PRECONDITION,
+                  w->description + ": not run, the group failed earlier: " + broken);
+        continue;
+      }
+      const OpSpec& spec = w->spec;
+      if (spec.op == CAI_COMM_SEND || spec.op == CAI_COMM_RECV) {
+        try {
+          auto buffer = comm::PostPointToPoint(*g.context, spec);
+          {
+            std::lock_guard<std::mutex> lock(g.mu);
+            g.p2p.emplace_back(std::move(w), std::move(buffer));
+          }
+          g.p2p_cv.notify_one();
+        } catch (const std::exception& e) {
+          Fail(g, *w, Classify(e.what()), e.what());
+        }
+        continue;
+      }
+      progress_->Started(g.id, g.rank, w->seq);
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        comm::RunCollective(*g.context, spec);
+        w->Finish(CAI_OK, {});
+      } catch (const std::exception& e) {
+        const cai_status_code code = Classify(e.what());
+        std::string message = e.what();
+        if (code == CAI_DEADLINE_EXCEEDED) {
+          const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+              std::chrono::steady_clock::now() - start);
+          message = "timed out after " + std::to_string(waited.count()) + " ms (timeout " +
+                    std::to_string(spec.timeout.count()) + " ms)";
+          std::string laggards;
+          for (const auto& l : progress_->Laggards(g, w->seq)) {
+            laggards += (laggards.empty() ? "" : "; ") + l;
+          }
+          message += laggards.empty()
+                         ? "; every rank started it, so a peer stalled inside it"
+                         : "; " + laggards;
+          message += " [gloo: " + std::string(e.what()) + "]";
+        }
+        Fail(g, *w, code, message);
+      }
+    }
+  }
+
+  static void PointToPointLoop(cai_comm_group& g) {
+    for (;;) {
+      std::shared_ptr<WorkState> w;
+      std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
+      {
+        std::unique_lock<std::mutex> lock(g.mu);
+        g.p2p_cv.wait(lock, [&] {
+          return !g.p2p.empty() || (g.stopping && g.queue.empty());
+        });
+        if (g.p2p.empty()) return;
+        std::tie(w, buffer) = std::move(g.p2p.front());
+        g.p2p.pop_front();
+      }
+      try {
+        comm::WaitPointToPoint(*buffer, w->spec);
+        w->Finish(CAI_OK, {});
+      } catch (const std::exception& e) {
+        const cai_status_code code = Classify(e.what());
+        std::string message = e.what();
+        if (code == CAI_DEADLINE_EXCEEDED) {
+          message = "timed out after " + std::to_string(w->spec.timeout.count()) + " ms: " +
+                    g.RankName(w->spec.peer) + " did not post the matching " +
+                    (w->spec.op == CAI_COMM_SEND ? "recv" : "send") + " [gloo: " + e.what() +
+                    "]";
+        }
+        Fail(g, *w, code, message);
+      }
+    }
+  }
+
+  CommOptions options_;
+  std::unique_ptr<comm::Store> store_;
+  std::unique_ptr<ProgressBoard> progress_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  std::atomic<int> next_group_id_{0};
+  cai_comm_group* world_ = nullptr;
+  mutable std::mutex mu_;
+  std::set<cai_comm_group*> groups_;
+  ::Counters totals_;
+};
+
+Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Communicator::~Communicator() = default;
+
+Communicator& Communicator::Init(const CommOptions& options) {
+  std::lock_guard<std::mutex> lock(g_instance_mu);
+  if (g_instance) {
+    throw Error(CAI_FAILED_PRECONDITION,
+                "the communicator is already initialised in this process (rank " +
+                    std::to_string(g_instance->rank()) + ")");
+  }
+  g_instance.reset(new Communicator(std::make_unique<Impl>(options)));
+  return *g_instance;
+}
+
+Communicator* Communicator::Get() {
+  std::lock_guard<std::mutex> lock(g_instance_mu);
+  return g_instance.get();
+}
+
+void Communicator::Shutdown() {
+  std::unique_ptr<Communicator> instance;
+  {
+    std::lock_guard<std::mutex> lock(g_instance_mu);
+    instance = std::move(g_instance);
+  }
+}
+
+int Communicator::rank() const { return impl_->options().rank; }
+int Communicator::world_size() const { return impl_->options().world_size; }
+cai_comm_group* Communicator::world() { return impl_->world(); }
+int Communicator::GroupRank(const cai_comm_group* group) const {
+  return impl_->Group(group)->rank;
+}
+int Communicator::GroupSize(const cai_comm_group* group) const {
+  return impl_->Group(group)->size;
+}
+
+cai_comm_group* Communicator::NewGroup(std::span<const int32_t> world_ranks) {
+  return impl_->NewGroup(world_ranks);
+}
+
+void Communicator::DestroyGroup(cai_comm_group* group) {
+  if (group == impl_->world()) return;
+  impl_->DestroyGroup(group);
+}
+
+cai_comm_work* Communicator::Run(const cai_comm_args& args) { return impl_->Run(args); }
+
+void Communicator::Wait(cai_comm_work* work, std::chrono::milliseconds timeout) {
+  if (work == nullptr) throw Error(CAI_INVALID_ARGUMENT, "work_wait: work is NULL");
+  WorkState& w = *work->state;
+  std::unique_lock<std::mutex> lock(w.mu);
+  if (timeout.count() > 0) {
+    if (!w.cv.wait_for(lock, timeout, [&] { return w.done; })) {
+      throw Error(CAI_DEADLINE_EXCEEDED, "waiting for " + w.description + " timed out after " +
+                                             std::to_string(timeout.count()) +
+                                             " ms; the operation is still queued or running");
+    }
+  } else {
+    w.cv.wait(lock, [&] { return w.done; });
+  }
+  if (w.code != CAI_OK) throw Error(w.code, w.message);
+}
+
+bool Communicator::IsCompleted(cai_comm_work* work) {
+  if (work == nullptr) return true;
+  std::lock_guard<std::mutex> lock(work->state->mu);
+  return work->state->done;
+}
+
+void Communicator::Release(cai_comm_work* work) {
+  if (work == nullptr) return;
+  {
+    WorkState& w = *work->state;
+    std::unique_lock<std::mutex> lock(w.mu);
+    w.cv.wait(lock, [&] { return w.done; });
+  }
+  delete work;
+}
+
+void Communicator::RunSync(const cai_comm_args& args) {
+  std::unique_ptr<cai_comm_work, void (*)(cai_comm_work*)> work(Run(args), &Release);
+  Wait(work.get(), std::chrono::milliseconds(0));
+}
+
+cai_comm_counters Communicator::Counters(const cai_comm_group* group) const {
+  return impl_->Counters(group);
+}
+
+void Communicator::ResetCounters() { impl_->ResetCounters(); }
+
+const char* Communicator::BackendInfo(const cai_comm_group*) const { return kGlooBackendInfo; }
+
+}  // namespace cai

@@ -1,0 +1,92 @@
+// The host's communicator: one per process, Gloo over TCP on CPU tensors.
+//
+// This is the C++ side of cai_comm_api (abi/include/cai/comm.h); CommApi() in comm_api.h wraps
+// it for plugins. Free of LibTorch and Gloo headers so the rest of the host can include it.
+//
+// Errors are thrown as cai::Error with the ABI's status codes: INVALID_ARGUMENT for bad
+// arguments, DEADLINE_EXCEEDED for timeouts (the message names the operation, the group, this
+// rank and, where the store can tell, the rank that did not answer), UNAVAILABLE when a peer
+// went away, FAILED_PRECONDITION for a group broken by an earlier failure.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "cai/comm.h"
+
+namespace cai {
+
+struct CommOptions {
+  int rank = 0;
+  int world_size = 1;
+  // Where rank 0 serves the rendezvous store (c10d's TCPStore).
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  // Default timeout of every operation and of the rendezvous itself.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // Local address the collectives bind to. Empty: loopback when master_addr is a loopback
+  // address, otherwise the local address the kernel routes to master_addr from.
+  std::string bind_addr;
+};
+
+class Communicator {
+ public:
+  // Rendezvous of all world ranks; every rank calls it with the same world_size, master_addr
+  // and master_port. Throws FAILED_PRECONDITION when a communicator already exists, and
+  // DEADLINE_EXCEEDED naming the ranks that did not arrive within options.timeout.
+  static Communicator& Init(const CommOptions& options);
+  // The process's communicator, or nullptr before Init / after Shutdown. Thread-safe.
+  static Communicator* Get();
+  // Waits for queued operations, then tears down every group and the store. Not thread-safe
+  // with respect to operations still being issued.
+  static void Shutdown();
+
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  // Thread-safe, as are all members below unless stated.
+  int rank() const;
+  int world_size() const;
+  cai_comm_group* world();
+  int GroupRank(const cai_comm_group* group) const;  // nullptr = world
+  int GroupSize(const cai_comm_group* group) const;  // nullptr = world
+
+  // Collective over the world: every rank passes the same list. Returns nullptr on ranks not in
+  // the list. The group is owned by the caller and released with DestroyGroup.
+  cai_comm_group* NewGroup(std::span<const int32_t> world_ranks);
+  void DestroyGroup(cai_comm_group* group);
+
+  // Validates `args`, counts the operation, and queues it on its group's worker thread, which
+  // runs the group's operations in issue order. The returned work is owned by the caller.
+  cai_comm_work* Run(const cai_comm_args& args);
+  // Returns the operation's outcome (throws its error). timeout 0 waits for the end of the
+  // operation, which its own timeout bounds; a shorter wait that runs out throws
+  // DEADLINE_EXCEEDED and leaves the operation running.
+  static void Wait(cai_comm_work* work, std::chrono::milliseconds timeout);
+  static bool IsCompleted(cai_comm_work* work);
+  // Waits for the operation if it is still running, then frees the handle. Accepts nullptr.
+  static void Release(cai_comm_work* work);
+  // Run + Wait + Release, for synchronous callers.
+  void RunSync(const cai_comm_args& args);
+
+  // Counters since Init or the last ResetCounters, for `group` or (nullptr) for all groups,
+  // destroyed ones included.
+  cai_comm_counters Counters(const cai_comm_group* group) const;
+  void ResetCounters();
+  // What each collective maps to on this group's backend. Static storage.
+  const char* BackendInfo(const cai_comm_group* group) const;
+
+  class Impl;
+
+ private:
+  explicit Communicator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+const char* CommOpName(cai_comm_op op);
+
+}  // namespace cai

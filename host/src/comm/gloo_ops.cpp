@@ -1,0 +1,380 @@
+#include "comm/gloo_ops.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/reduce.h>
+#include <gloo/types.h>
+
+namespace cai::comm {
+
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kF64:
+    case DType::kI64:
+      return 8;
+    case DType::kF32:
+    case DType::kI32:
+      return 4;
+    case DType::kBF16:
+    case DType::kF16:
+      return 2;
+    case DType::kU8:
+      return 1;
+  }
+  return 1;
+}
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "float32";
+    case DType::kF64: return "float64";
+    case DType::kBF16: return "bfloat16";
+    case DType::kF16: return "float16";
+    case DType::kI32: return "int32";
+    case DType::kI64: return "int64";
+    case DType::kU8: return "uint8";
+  }
+  return "?";
+}
+
+namespace {
+
+// Slot prefixes of our own algorithms, above Gloo's (0x01-0x08 in gloo/types.h) so that a
+// point-to-point message can never be matched by a collective or the other way round.
+constexpr uint8_t kReduceScatterSlotPrefix = 0x40;
+constexpr uint8_t kPointToPointSlotPrefix = 0x41;
+
+// Half-precision types are reduced in fp32 and rounded once per pairwise step, as NCCL does
+// on the wire for bf16/fp16 (comm.h: "reduced in fp32 precision where the backend cannot").
+struct Bf16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+
+float ToFloat(Bf16 v) { return std::bit_cast<float>(static_cast<uint32_t>(v.bits) << 16); }
+
+Bf16 FromFloat(float f, Bf16) {
+  uint32_t u = std::bit_cast<uint32_t>(f);
+  if (std::isnan(f)) return Bf16{static_cast<uint16_t>((u >> 16) | 0x40)};
+  u += 0x7fff + ((u >> 16) & 1);  // round to nearest, ties to even
+  return Bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+// IEEE 754 binary16 <-> binary32, round to nearest even; Gloo's own conversions are not
+// exported from libgloo.
+float ToFloat(F16 v) {
+  const uint32_t sign = static_cast<uint32_t>(v.bits & 0x8000) << 16;
+  const uint32_t exponent = (v.bits >> 10) & 0x1f;
+  const uint32_t mantissa = v.bits & 0x3ff;
+  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000 | (mantissa << 13));
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -magnitude : magnitude;
+  }
+  return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+F16 FromFloat(float f, F16) {
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000);
+  const float magnitude = std::fabs(f);
+  if (std::isnan(f)) return F16{static_cast<uint16_t>(sign | 0x7e00)};
+  if (magnitude >= 65520.0f) return F16{static_cast<uint16_t>(sign | 0x7c00)};  // overflow
+  if (magnitude < 6.103515625e-05f) {  // subnormal range: units of 2^-24, rint ties to even
+    return F16{static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(
+                                                std::ldexp(magnitude, 24))))};
+  }
+  uint32_t m = u & 0x7fffffff;
+  m += 0xfff + ((m >> 13) & 1);  // round the 13 dropped bits to nearest even
+  return F16{static_cast<uint16_t>(sign | ((m - (112u << 23)) >> 13))};
+}
+
+template <class T>
+struct Compute {
+  using type = T;
+  static T Load(T v) { return v; }
+  static T Store(T v) { return v; }
+};
+template <>
+struct Compute<Bf16> {
+  using type = float;
+  static float Load(Bf16 v) { return ToFloat(v); }
+  static Bf16 Store(float v) { return FromFloat(v, Bf16{}); }
+};
+template <>
+struct Compute<F16> {
+  using type = float;
+  static float Load(F16 v) { return ToFloat(v); }
+  static F16 Store(float v) { return FromFloat(v, F16{}); }
+};
+
+template <class T, class Op>
+void Elementwise(void* out, const void* a, const void* b, size_t n, Op op) {
+  using C = Compute<T>;
+  auto* o = static_cast<T*>(out);
+  const auto* x = static_cast<const T*>(a);
+  const auto* y = static_cast<const T*>(b);
+  for (size_t i = 0; i < n; ++i) o[i] = C::Store(op(C::Load(x[i]), C::Load(y[i])));
+}
+
+using ReduceFn = std::function<void(void*, const void*, const void*, size_t)>;
+
+template <class T>
+ReduceFn MakeReduce(cai_reduce_op op) {
+  using V = typename Compute<T>::type;
+  switch (op) {
+    case CAI_REDUCE_MAX:
+      return [](void* o, const void* a, const void* b, size_t n) {
+        Elementwise<T>(o, a, b, n, [](V x, V y) { return std::max(x, y); });
+      };
+    case CAI_REDUCE_MIN:
+      return [](void* o, const void* a, const void* b, size_t n) {
+        Elementwise<T>(o, a, b, n, [](V x, V y) { return std::min(x, y); });
+      };
+    case CAI_REDUCE_PRODUCT:
+      return [](void* o, const void* a, const void* b, size_t n) {
+        Elementwise<T>(o, a, b, n, [](V x, V y) { return static_cast<V>(x * y); });
+      };
+    default:  // SUM, and AVG which divides the sum afterwards (DivideInPlace)
+      return [](void* o, const void* a, const void* b, size_t n) {
+        Elementwise<T>(o, a, b, n, [](V x, V y) { return static_cast<V>(x + y); });
+      };
+  }
+}
+
+template <class T>
+void DivideInPlace(void* data, size_t n, int divisor) {
+  using C = Compute<T>;
+  using V = typename C::type;
+  auto* p = static_cast<T*>(data);
+  for (size_t i = 0; i < n; ++i) p[i] = C::Store(static_cast<V>(C::Load(p[i]) / divisor));
+}
+
+template <class Fn>
+decltype(auto) Dispatch(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kF32: return fn(float{});
+    case DType::kF64: return fn(double{});
+    case DType::kBF16: return fn(Bf16{});
+    case DType::kF16: return fn(F16{});
+    case DType::kI32: return fn(int32_t{});
+    case DType::kI64: return fn(int64_t{});
+    case DType::kU8: return fn(uint8_t{});
+  }
+  return fn(uint8_t{});
+}
+
+ReduceFn ReduceFor(DType dtype, cai_reduce_op op) {
+  return Dispatch(dtype, [&](auto t) { return MakeReduce<decltype(t)>(op); });
+}
+
+void Average(const Buffer& buffer, int group_size) {
+  Dispatch(buffer.dtype, [&](auto t) {
+    DivideInPlace<decltype(t)>(buffer.data, buffer.numel, group_size);
+  });
+}
+
+// Gloo's option classes take the element type as a template argument only for its size; an
+// opaque element of the right size lets one code path serve every dtype.
+template <size_t N>
+struct Element { std::byte b[N]; };
+
+template <class Fn>
+void WithElementSize(size_t size, Fn&& fn) {
+  switch (size) {
+    case 1: fn(Element<1>{}); break;
+    case 2: fn(Element<2>{}); break;
+    case 4: fn(Element<4>{}); break;
+    default: fn(Element<8>{}); break;
+  }
+}
+
+void AllReduce(gloo::Context& context, const std::shared_ptr<gloo::Context>& shared,
+               const OpSpec& spec) {
+  const Buffer& out = spec.output;
+  gloo::AllreduceOptions opts(shared);
+  WithElementSize(DTypeSize(out.dtype), [&](auto e) {
+    using E = decltype(e);
+    opts.setOutput<E>(reinterpret_cast<E*>(out.data), out.numel);
+  });
+  opts.setReduceFunction(ReduceFor(out.dtype, spec.reduce));
+  opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
+  opts.setTimeout(spec.timeout);
+  gloo::allreduce(opts);
+  if (spec.reduce == CAI_REDUCE_AVG) Average(out, context.size);
+}
+
+void Reduce(gloo::Context& context, const std::shared_ptr<gloo::Context>& shared,
+            const OpSpec& spec) {
+  const Buffer& out = spec.output;
+  gloo::ReduceOptions opts(shared);
+  WithElementSize(DTypeSize(out.dtype), [&](auto e) {
+    using E = decltype(e);
+    opts.setOutput<E>(reinterpret_cast<E*>(out.data), out.numel);
+  });
+  opts.setRoot(spec.root);
+  opts.setReduceFunction(ReduceFor(out.dtype, spec.reduce));
+  opts.setTimeout(spec.timeout);
+  gloo::reduce(opts);
+  if (spec.reduce == CAI_REDUCE_AVG && context.rank == spec.root) Average(out, context.size);
+}
+
+// Ring reduce-scatter: n-1 steps, each sending one chunk to the right neighbour and reducing
+// the chunk arriving from the left into a scratch chunk, so every rank sends exactly
+// (n-1)/n of its input (the lower bound; Patarasuk & Yuan, JPDC 2009) and the input is left
+// untouched. Gloo's ReduceScatterHalvingDoubling would reduce in place over the input and binds
+// its buffers to fixed pointers at construction, which needs a cached instance and a copy of
+// the input per call. The chunk arriving at step s is received in segments so that reducing
+// one overlaps the transfer of the next.
+void ReduceScatter(gloo::Context& context, const OpSpec& spec) {
+  const int n = context.size;
+  const int r = context.rank;
+  const size_t chunk_bytes = spec.output.bytes();
+  const size_t element = DTypeSize(spec.output.dtype);
+  const auto* in = spec.input.data;
+  const auto deadline = std::chrono::steady_clock::now() + spec.timeout;
+  const ReduceFn reduce = ReduceFor(spec.output.dtype, spec.reduce);
+  const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, spec.tag);
+  const int left = (r + n - 1) % n;
+  const int right = (r + 1) % n;
+  constexpr size_t kSegmentBytes = 1 << 20;
+  const size_t segment = std::max(element, kSegmentBytes / element * element);
+
+  std::vector<std::byte> scratch(n > 2 ? 2 * chunk_bytes : 0);
+  auto input_buffer =
+      context.createUnboundBuffer(const_cast<std::byte*>(in), spec.input.bytes());
+  auto output_buffer = context.createUnboundBuffer(spec.output.data, chunk_bytes);
+  std::unique_ptr<gloo::transport::UnboundBuffer> scratch_buffers[2];
+  if (n > 2) {
+    scratch_buffers[0] = context.createUnboundBuffer(scratch.data(), chunk_bytes);
+    scratch_buffers[1] = context.createUnboundBuffer(scratch.data() + chunk_bytes, chunk_bytes);
+  }
+  auto remaining = [&] {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                        deadline - std::chrono::steady_clock::now()));
+  };
+
+  // Step s sends the partial sum of chunk (r-s-1) and receives that of chunk (r-s-2); the
+  // last step receives chunk r, which completes in `output`.
+  gloo::transport::UnboundBuffer* send_buffer = input_buffer.get();
+  size_t send_offset = static_cast<size_t>((r + n - 1) % n) * chunk_bytes;
+  for (int s = 0; s + 1 < n; ++s) {
+    const bool last = s + 2 == n;
+    gloo::transport::UnboundBuffer* recv_buffer =
+        last ? output_buffer.get() : scratch_buffers[s % 2].get();
+    const size_t local_offset = static_cast<size_t>((r - s - 2 + 2 * n) % n) * chunk_bytes;
+    size_t segments = 0;
+    for (size_t off = 0; off < chunk_bytes; off += segment, ++segments) {
+      recv_buffer->recv(left, slot, off, std::min(segment, chunk_bytes - off));
+    }
+    // Gloo matches one send with one receive, so both sides cut the chunk the same way.
+    for (size_t off = 0; off < chunk_bytes; off += segment) {
+      send_buffer->send(right, slot, send_offset + off, std::min(segment, chunk_bytes - off));
+    }
+    for (size_t i = 0; i < segments; ++i) {
+      recv_buffer->waitRecv(remaining());
+      const size_t off = i * segment;
+      auto* acc = static_cast<std::byte*>(recv_buffer->ptr) + off;
+      reduce(acc, acc, in + local_offset + off, std::min(segment, chunk_bytes - off) / element);
+    }
+    for (size_t i = 0; i < segments; ++i) send_buffer->waitSend(remaining());
+    send_buffer = recv_buffer;
+    send_offset = 0;
+  }
+  if (spec.reduce == CAI_REDUCE_AVG) Average(spec.output, n);
+}
+
+}  // namespace
+
+void RunCollective(gloo::Context& context, const OpSpec& spec) {
+  // Gloo's option classes hold a shared_ptr to the context; the group owns it for longer than
+  // any operation, so a non-owning alias is enough.
+  std::shared_ptr<gloo::Context> shared(std::shared_ptr<gloo::Context>(), &context);
+  if (spec.op != CAI_COMM_BARRIER && spec.input.numel == 0 && spec.output.numel == 0) return;
+  if (context.size == 1) {  // a group of one: every collective is the identity
+    if (spec.input.data != nullptr && spec.output.data != nullptr &&
+        spec.input.data != spec.output.data) {
+      std::memcpy(spec.output.data, spec.input.data, spec.output.bytes());
+    }
+    return;
+  }
+  switch (spec.op) {
+    case CAI_COMM_ALL_REDUCE:
+      AllReduce(context, shared, spec);
+      return;
+    case CAI_COMM_REDUCE_SCATTER:
+      ReduceScatter(context, spec);
+      return;
+    case CAI_COMM_ALL_GATHER: {
+      gloo::AllgatherOptions opts(shared);
+      opts.setInput<std::byte>(spec.input.data, spec.input.bytes());
+      opts.setOutput<std::byte>(spec.output.data, spec.output.bytes());
+      opts.setTimeout(spec.timeout);
+      gloo::allgather(opts);
+      return;
+    }
+    case CAI_COMM_BROADCAST: {
+      gloo::BroadcastOptions opts(shared);
+      opts.setOutput<std::byte>(spec.output.data, spec.output.bytes());
+      opts.setRoot(spec.root);
+      opts.setTimeout(spec.timeout);
+      gloo::broadcast(opts);
+      return;
+    }
+    case CAI_COMM_REDUCE:
+      Reduce(context, shared, spec);
+      return;
+    case CAI_COMM_ALL_TO_ALL: {
+      gloo::AlltoallOptions opts(shared);
+      opts.setInput<std::byte>(spec.input.data, spec.input.bytes());
+      opts.setOutput<std::byte>(spec.output.data, spec.output.bytes());
+      opts.setTimeout(spec.timeout);
+      gloo::alltoall(opts);
+      return;
+    }
+    case CAI_COMM_BARRIER: {
+      gloo::BarrierOptions opts(shared);
+      opts.setTimeout(spec.timeout);
+      gloo::barrier(opts);
+      return;
+    }
+    default:
+      GLOO_ENFORCE(false, "not a collective: op ", spec.op);
+  }
+}
+
+std::unique_ptr<gloo::transport::UnboundBuffer> PostPointToPoint(gloo::Context& context,
+                                                                 const OpSpec& spec) {
+  const bool send = spec.op == CAI_COMM_SEND;
+  const Buffer& b = send ? spec.input : spec.output;
+  auto buffer = context.createUnboundBuffer(b.data, b.bytes());
+  const uint64_t slot = gloo::Slot::build(kPointToPointSlotPrefix, spec.tag);
+  if (b.bytes() == 0) return buffer;
+  if (send) {
+    buffer->send(spec.peer, slot);
+  } else {
+    buffer->recv(spec.peer, slot);
+  }
+  return buffer;
+}
+
+void WaitPointToPoint(gloo::transport::UnboundBuffer& buffer, const OpSpec& spec) {
+  if (buffer.size == 0) return;
+  if (spec.op == CAI_COMM_SEND) {
+    buffer.waitSend(spec.timeout);
+  } else {
+    buffer.waitRecv(spec.timeout);
+  }
+}
+
+}  // namespace cai::comm

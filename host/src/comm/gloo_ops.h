@@ -1,0 +1,51 @@
+// The collectives of cai_comm_op on a Gloo context: what runs on a group's worker thread.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include <gloo/context.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include "cai/comm.h"
+
+namespace cai::comm {
+
+enum class DType { kF32, kF64, kBF16, kF16, kI32, kI64, kU8 };
+
+size_t DTypeSize(DType dtype);
+const char* DTypeName(DType dtype);
+
+// A contiguous CPU buffer copied out of a cai_tensor at issue time (descriptors are borrowed
+// for the duration of the call only).
+struct Buffer {
+  std::byte* data = nullptr;
+  size_t numel = 0;
+  DType dtype = DType::kF32;
+  size_t bytes() const { return numel * DTypeSize(dtype); }
+};
+
+struct OpSpec {
+  cai_comm_op op = CAI_COMM_BARRIER;
+  cai_reduce_op reduce = CAI_REDUCE_SUM;
+  Buffer input;
+  Buffer output;
+  int root = 0;
+  int peer = 0;
+  uint32_t tag = 0;
+  std::chrono::milliseconds timeout{0};
+};
+
+// Runs one collective (every op but SEND/RECV) to completion on the calling thread. Throws
+// gloo::Exception (or a subclass) on transport failures and timeouts.
+void RunCollective(gloo::Context& context, const OpSpec& spec);
+
+// Posts a SEND or RECV without waiting; the returned buffer is waited with WaitPointToPoint.
+// Gloo's TCP transport moves the data once both sides have posted, so posting never blocks.
+std::unique_ptr<gloo::transport::UnboundBuffer> PostPointToPoint(gloo::Context& context,
+                                                                 const OpSpec& spec);
+void WaitPointToPoint(gloo::transport::UnboundBuffer& buffer, const OpSpec& spec);
+
+}  // namespace cai::comm

@@ -1,0 +1,108 @@
+// The host's memory pool: allocation by tier with per-tier budgets, current/peak accounting
+// and reuse of freed blocks. One process-wide instance (MemoryPool::Global()) backs
+// cai_mem_api; tests may make their own.
+//
+// Tiers on this CPU-only build: DEVICE is host memory with its own budget (so budgets and
+// offload behave as on a GPU host), PINNED_HOST is plain host memory, HOST is pageable host
+// memory, NVME is a shared mapping of a file in the NVMe directory (unlinked as soon as it is
+// created, so nothing is left behind even after a crash).
+//
+// Accounting: current_bytes counts the bytes callers asked for; a budget limits current_bytes.
+// Freed blocks are cached by size class (rounded up by at most 1/8, and at most 2 MiB) and
+// handed out again for requests of the same class; cached bytes are reported apart and are
+// returned to the system when a tier with a budget would otherwise hold more than its budget.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+
+#include "cai/mempool.h"
+
+// The handle behind cai_buffer*: one block of one tier. Owned by the pool.
+struct cai_buffer {
+  void* data = nullptr;
+  size_t bytes = 0;       // requested by the current owner
+  size_t capacity = 0;    // size class actually mapped
+  size_t alignment = 0;
+  cai_mem_tier tier = CAI_MEM_HOST;
+  std::string tag;
+  // Element counts of this buffer viewed as 1-, 2-, 4- and 8-byte elements, and the unit
+  // stride: cai_mem_api.view points its descriptor here, so views stay valid as long as the
+  // buffer, whatever dtypes they were taken with.
+  int64_t elements[4] = {};
+  int64_t unit_stride = 1;
+};
+
+namespace cai {
+
+struct TierUsage {
+  uint64_t current_bytes = 0;
+  uint64_t peak_bytes = 0;
+  uint64_t budget_bytes = 0;  // 0 = unlimited
+  uint64_t num_allocations = 0;
+  uint64_t cached_bytes = 0;
+};
+
+// "DEVICE", "PINNED_HOST", "HOST", "NVME"; "tier <n>" for anything else.
+std::string TierName(cai_mem_tier tier);
+
+// Thread-safe.
+class MemoryPool {
+ public:
+  MemoryPool();
+  // Returns cached blocks to the system. Buffers still allocated are not touched.
+  ~MemoryPool();
+  MemoryPool(const MemoryPool&) = delete;
+  MemoryPool& operator=(const MemoryPool&) = delete;
+
+  // The pool behind cai_mem_api. Never destroyed, so buffers a plugin frees during process
+  // exit still find it.
+  static MemoryPool& Global();
+
+  // A block of `bytes` (> 0) on `tier`, aligned to `alignment` (a power of two; 0 means 64;
+  // NVMe blocks are page-aligned and accept up to the page size). Throws cai::Error:
+  // RESOURCE_EXHAUSTED over the tier's budget or when the system has no memory / disk left,
+  // INVALID_ARGUMENT for a bad tier, size or alignment, FAILED_PRECONDITION when the NVMe
+  // directory cannot hold the backing file.
+  cai_buffer* Allocate(cai_mem_tier tier, size_t bytes, size_t alignment = 0,
+                       std::string_view tag = {}, bool zero_fill = false);
+  // Returns the block to its tier's cache. Accepts nullptr.
+  void Free(cai_buffer* buffer);
+
+  // 0 = unlimited. Throws FAILED_PRECONDITION when `bytes` is below current use.
+  void SetBudget(cai_mem_tier tier, uint64_t bytes);
+  TierUsage Usage(cai_mem_tier tier) const;
+  // Starts peak accounting afresh at current use.
+  void ResetPeak(cai_mem_tier tier);
+  // Returns the tier's cached blocks to the system.
+  void ReleaseCached(cai_mem_tier tier);
+
+  // Directory of the NVMe tier's backing files; defaults to $TMPDIR, else /tmp. Throws
+  // INVALID_ARGUMENT when `dir` is not a writable directory. Affects later allocations only.
+  void SetNvmeDirectory(const std::string& dir);
+  std::string NvmeDirectory() const;
+
+ private:
+  struct Tier {
+    mutable std::mutex mu;
+    TierUsage usage;
+    std::unordered_multimap<size_t, cai_buffer*> cached;  // by capacity
+  };
+
+  Tier& At(cai_mem_tier tier);
+  const Tier& At(cai_mem_tier tier) const;
+  // Takes the cached blocks out of `t` (whose lock the caller holds) for release outside it.
+  static std::unordered_multimap<size_t, cai_buffer*> TakeCached(Tier& t);
+  void* MapBlock(cai_mem_tier tier, size_t capacity, size_t alignment);
+  static void UnmapBlock(const cai_buffer& block);
+
+  std::array<Tier, CAI_MEM_NUM_TIERS> tiers_;
+  mutable std::mutex nvme_mu_;
+  std::string nvme_dir_;
+};
+
+}  // namespace cai

@@ -1,0 +1,263 @@
+// The cai_model_api table: argument checks and cai::Guard around Model. Torch-free.
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "core/status.h"
+#include "model/model.h"
+
+namespace cai {
+namespace {
+
+Model* Get(cai_model* handle, const char* function) {
+  if (handle == nullptr)
+    throw Error(CAI_INVALID_ARGUMENT, std::string(function) + ": model is NULL");
+  return reinterpret_cast<Model*>(handle);
+}
+const Model* Get(const cai_model* handle, const char* function) {
+  return Get(const_cast<cai_model*>(handle), function);
+}
+
+void NotNull(const void* pointer, const char* function, const char* argument) {
+  if (pointer == nullptr) {
+    throw Error(CAI_INVALID_ARGUMENT, std::string(function) + ": " + argument + " is NULL");
+  }
+}
+
+// Argument structs: non-NULL and at least as large as the 1.0 layout, which every model
+// struct still has (CHANGELOG.md).
+template <class S>
+void CheckStruct(const S* s, size_t size, const char* function, const char* argument) {
+  NotNull(s, function, argument);
+  if (s->struct_size < size) {
+    throw Error(CAI_INVALID_ARGUMENT, std::string(function) + ": " + argument + "->struct_size " +
+                                          std::to_string(s->struct_size) + " is smaller than " +
+                                          std::to_string(size) + "; set it to the struct's " +
+                                          "CAI_*_STRUCT_SIZE");
+  }
+}
+
+// Copies what both sides know into a caller's out-struct; struct_size then says how much.
+template <class S>
+void WriteOut(const S& value, S* out) {
+  const size_t size = std::min(out->struct_size, value.struct_size);
+  std::memcpy(static_cast<void*>(out), &value, size);
+  out->struct_size = size;
+}
+
+double OrOne(double v) { return v == 0.0 ? 1.0 : v; }
+
+Activation* FromHandle(cai_activation* handle) { return reinterpret_cast<Activation*>(handle); }
+
+uint32_t NumParams(const cai_model* model) {
+  return model ? reinterpret_cast<const Model*>(model)->NumParams() : 0;
+}
+
+cai_status* ParamInfo(const cai_model* model, uint32_t index, cai_param_info* out) {
+  return Guard([&] {
+    const Model* m = Get(model, "param_info");
+    CheckStruct(out, CAI_PARAM_INFO_STRUCT_SIZE, "param_info", "out");
+    WriteOut(m->ParamInfo(index), out);
+  });
+}
+
+uint32_t NumUnits(const cai_model* model) {
+  return model ? reinterpret_cast<const Model*>(model)->NumUnits() : 0;
+}
+
+cai_status* UnitInfo(const cai_model* model, uint32_t index, cai_unit_info* out) {
+  return Guard([&] {
+    const Model* m = Get(model, "unit_info");
+    CheckStruct(out, CAI_UNIT_INFO_STRUCT_SIZE, "unit_info", "out");
+    WriteOut(m->UnitInfo(index), out);
+  });
+}
+
+const char* Describe(const cai_model* model) {
+  return model ? reinterpret_cast<const Model*>(model)->Describe() : "";
+}
+
+cai_status* ParamData(cai_model* model, uint32_t index, cai_tensor* out) {
+  return Guard([&] {
+    Model* m = Get(model, "param_data");
+    NotNull(out, "param_data", "out");
+    *out = m->ParamData(index);
+  });
+}
+
+cai_status* ParamGrad(cai_model* model, uint32_t index, cai_tensor* out) {
+  return Guard([&] {
+    Model* m = Get(model, "param_grad");
+    NotNull(out, "param_grad", "out");
+    *out = m->ParamGrad(index);
+  });
+}
+
+uint32_t NumBuffers(const cai_model* model) {
+  return model ? reinterpret_cast<const Model*>(model)->NumBuffers() : 0;
+}
+
+cai_status* BufferData(cai_model* model, uint32_t index, cai_tensor* out) {
+  return Guard([&] {
+    Model* m = Get(model, "buffer_data");
+    NotNull(out, "buffer_data", "out");
+    *out = m->BufferData(index);
+  });
+}
+
+cai_status* ReplaceParamStorage(cai_model* model, uint32_t index, const cai_tensor* storage) {
+  return Guard([&] {
+    Model* m = Get(model, "replace_param_storage");
+    NotNull(storage, "replace_param_storage", "storage");
+    m->ReplaceParamStorage(index, *storage);
+  });
+}
+
+cai_status* ReleaseParamStorage(cai_model* model, uint32_t index) {
+  return Guard([&] { Get(model, "release_param_storage")->ReleaseParamStorage(index); });
+}
+
+cai_status* MaterializeParamStorage(cai_model* model, uint32_t index, cai_tensor* out) {
+  return Guard([&] {
+    Model* m = Get(model, "materialize_param_storage");
+    NotNull(out, "materialize_param_storage", "out");
+    *out = m->MaterializeParamStorage(index);
+  });
+}
+
+cai_status* ReplaceGradStorage(cai_model* model, uint32_t index, const cai_tensor* storage) {
+  return Guard([&] {
+    Model* m = Get(model, "replace_grad_storage");
+    NotNull(storage, "replace_grad_storage", "storage");
+    m->ReplaceGradStorage(index, *storage);
+  });
+}
+
+cai_status* ReleaseGrad(cai_model* model, uint32_t index) {
+  return Guard([&] { Get(model, "release_grad")->ReleaseGrad(index); });
+}
+
+cai_status* ZeroGrad(cai_model* model, bool set_to_none) {
+  return Guard([&] { Get(model, "zero_grad")->ZeroGrad(set_to_none); });
+}
+
+cai_status* RegisterHook(cai_model* model, const cai_hook_args* args, uint64_t* id) {
+  return Guard([&] {
+    Model* m = Get(model, "register_hook");
+    CheckStruct(args, CAI_HOOK_ARGS_STRUCT_SIZE, "register_hook", "args");
+    NotNull(id, "register_hook", "id");
+    NotNull(reinterpret_cast<const void*>(args->fn), "register_hook", "args->fn");
+    const cai_hook_fn fn = args->fn;
+    void* user_data = args->user_data;
+    *id = m->AddHook(
+        args->kind, args->unit, args->param,
+        [fn, user_data](const cai_hook_event& event) { ThrowIfError(fn(user_data, &event)); });
+  });
+}
+
+cai_status* RemoveHook(cai_model* model, uint64_t id) {
+  return Guard([&] { Get(model, "remove_hook")->RemoveHook(id); });
+}
+
+cai_status* ForwardBackward(cai_model* model, const cai_forward_backward_args* args) {
+  return Guard([&] {
+    Model* m = Get(model, "forward_backward");
+    CheckStruct(args, CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE, "forward_backward", "args");
+    NotNull(args->tokens, "forward_backward", "args->tokens");
+    NotNull(args->targets, "forward_backward", "args->targets");
+    const double loss = m->ForwardBackward(*args->tokens, *args->targets, args->backward,
+                                           OrOne(args->loss_scale), OrOne(args->loss_weight));
+    if (args->loss != nullptr) *args->loss = loss;
+  });
+}
+
+cai_status* StageForward(cai_model* model, const cai_stage_forward_args* args) {
+  return Guard([&] {
+    Model* m = Get(model, "stage_forward");
+    CheckStruct(args, CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE, "stage_forward", "args");
+    const bool is_last = args->last_unit == static_cast<int32_t>(m->NumUnits());
+    if (!is_last) NotNull(args->output, "stage_forward", "args->output (non-last stage)");
+    Model::StageResult result = m->StageForward(args->first_unit, args->last_unit, args->tokens,
+                                                args->targets, args->input);
+    if (args->output != nullptr) {
+      *args->output = reinterpret_cast<cai_activation*>(result.output.release());
+    }
+    if (args->loss != nullptr && is_last) *args->loss = result.loss;
+  });
+}
+
+cai_status* StageBackward(cai_model* model, const cai_stage_backward_args* args) {
+  return Guard([&] {
+    Model* m = Get(model, "stage_backward");
+    CheckStruct(args, CAI_STAGE_BACKWARD_ARGS_STRUCT_SIZE, "stage_backward", "args");
+    m->StageBackward(FromHandle(args->activation), args->micro_batch, args->grad_output,
+                     args->grad_input, OrOne(args->loss_scale));
+  });
+}
+
+void ActivationRelease(cai_activation* activation) { ActivationDeleter()(FromHandle(activation)); }
+
+cai_status* ActivationData(cai_activation* activation, cai_tensor* out) {
+  return Guard([&] {
+    NotNull(activation, "activation_data", "activation");
+    NotNull(out, "activation_data", "out");
+    *out = Model::ActivationData(*FromHandle(activation));
+  });
+}
+
+cai_status* SetComputeDtype(cai_model* model, cai_dtype dtype) {
+  return Guard([&] { Get(model, "set_compute_dtype")->SetComputeDtype(dtype); });
+}
+
+cai_status* SetActivationCheckpointing(cai_model* model, bool enabled) {
+  return Guard(
+      [&] { Get(model, "set_activation_checkpointing")->SetActivationCheckpointing(enabled); });
+}
+
+cai_status* ApplyTensorParallel(cai_model* model, const cai_tensor_parallel_args* args) {
+  return Guard([&] {
+    Get(model, "apply_tensor_parallel");
+    CheckStruct(args, CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE, "apply_tensor_parallel", "args");
+    throw Error(CAI_UNIMPLEMENTED,
+                "apply_tensor_parallel: host-side tensor parallelism lands with the "
+                "hybrid-parallel strategy; until then parameters stay whole on every rank");
+  });
+}
+
+constexpr cai_model_api kModelApi = {
+    CAI_MODEL_API_STRUCT_SIZE,
+    nullptr,
+    NumParams,
+    ParamInfo,
+    NumUnits,
+    UnitInfo,
+    Describe,
+    ParamData,
+    ParamGrad,
+    NumBuffers,
+    BufferData,
+    ReplaceParamStorage,
+    ReleaseParamStorage,
+    MaterializeParamStorage,
+    ReplaceGradStorage,
+    ReleaseGrad,
+    ZeroGrad,
+    RegisterHook,
+    RemoveHook,
+    ForwardBackward,
+    StageForward,
+    StageBackward,
+    ActivationRelease,
+    ActivationData,
+    SetComputeDtype,
+    SetActivationCheckpointing,
+    ApplyTensorParallel,
+};
+
+}  // namespace
+
+cai_model* AsHandle(Model* model) { return reinterpret_cast<cai_model*>(model); }
+
+const cai_model_api* ModelApi() { return &kModelApi; }
+
+}  // namespace cai

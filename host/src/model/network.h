@@ -1,0 +1,74 @@
+// What Model runs: a network's parameters, its units and the forward of one unit. Zoo
+// networks (zoo.cpp) and TorchScript modules (torchscript.cpp) implement it; Model (model.cpp)
+// adds hooks, storage management, checkpointing, stages and the loss around it.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cai/model.h"
+#include "model/model.h"
+
+namespace cai {
+
+struct ParamSpec {
+  std::string name;         // "blocks.0.attn.qkv.weight"
+  std::string module_path;  // "blocks.0.attn.qkv"
+  torch::Tensor tensor;     // a leaf; Model changes its storage in place, never the object
+  int32_t unit = -1;
+  cai_param_role role = CAI_ROLE_OTHER;
+  int32_t parallel_dim = -1;
+  bool is_bias = false;
+};
+
+struct UnitSpec {
+  std::string name;
+  cai_unit_kind kind = CAI_UNIT_OTHER;
+  // Every parameter the unit's forward reads: its own and tied ones held by other units.
+  std::vector<uint32_t> reads;
+};
+
+class Network {
+ public:
+  virtual ~Network() = default;
+
+  // Unit 0 takes tokens (int64 [B, T]); the last unit returns logits [B, T, V]; units in
+  // between map hidden states [B, T, C] to hidden states.
+  virtual torch::Tensor Forward(size_t unit, const torch::Tensor& x) const = 0;
+  virtual std::string Describe() const = 0;
+  // False when the forward uses the parameters as stored (TorchScript), so it cannot compute
+  // in a dtype other than the storage's.
+  virtual bool CastsToComputeType() const { return true; }
+
+  void SetComputeType(torch::ScalarType type) { compute_type_ = type; }
+  torch::ScalarType compute_type() const { return compute_type_; }
+
+  std::vector<ParamSpec> params;
+  std::vector<UnitSpec> units;
+  std::vector<std::pair<std::string, torch::Tensor>> buffers;
+  int64_t vocab_size = 0;  // 0: unknown, tokens are not range-checked
+  int64_t n_ctx = 0;       // 0: unknown, sequence length is not checked
+
+ protected:
+  // Parameter `index` in the compute dtype; a differentiable cast when storage differs.
+  torch::Tensor W(uint32_t index) const {
+    const torch::Tensor& t = params[index].tensor;
+    return t.scalar_type() == compute_type_ ? t : t.to(compute_type_);
+  }
+
+ private:
+  torch::ScalarType compute_type_ = torch::kFloat;
+};
+
+std::unique_ptr<Network> MakeZooNetwork(const ModelConfig& config, uint64_t seed);
+std::unique_ptr<Network> LoadTorchScriptNetwork(const std::string& path);
+
+// Model over a network (model.cpp), after applying `options` to its parameters.
+std::unique_ptr<Model> MakeModel(std::unique_ptr<Network> network,
+                                 const ParamOptions& options = {});
+
+}  // namespace cai

@@ -1,0 +1,335 @@
+// The model zoo: GPT-2 and Llama as flat lists of parameters and the forward of each unit.
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "core/status.h"
+#include "model/network.h"
+#include "model/torch_compat.h"
+
+namespace cai {
+namespace {
+
+constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+
+// splitmix64 (Steele et al., "Fast splittable pseudorandom number generators", 2014): spreads
+// (seed, parameter index) into independent generator seeds.
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+[[noreturn]] void BadConfig(const std::string& message) {
+  throw Error(CAI_INVALID_ARGUMENT, "model config: " + message);
+}
+
+void Validate(const ModelConfig& c) {
+  auto positive = [](int64_t v, const char* name) {
+    if (v <= 0) BadConfig(std::string(name) + " must be positive, got " + std::to_string(v));
+  };
+  positive(c.vocab_size, "vocab_size");
+  positive(c.n_ctx, "n_ctx");
+  positive(c.n_layer, "n_layer");
+  positive(c.n_head, "n_head");
+  positive(c.n_embd, "n_embd");
+  if (c.n_kv_head < 0 || c.ffn_hidden < 0) BadConfig("n_kv_head and ffn_hidden must be >= 0");
+  if (c.n_embd % c.n_head != 0) {
+    BadConfig("n_embd (" + std::to_string(c.n_embd) + ") must be a multiple of n_head (" +
+              std::to_string(c.n_head) + ")");
+  }
+  const int64_t kv = c.n_kv_head == 0 ? c.n_head : c.n_kv_head;
+  if (c.arch == ModelConfig::Arch::kGpt2 && kv != c.n_head) {
+    BadConfig("GPT-2 has no grouped-query attention: n_kv_head must be 0 or n_head");
+  }
+  if (c.n_head % kv != 0) {
+    BadConfig("n_head (" + std::to_string(c.n_head) + ") must be a multiple of n_kv_head (" +
+              std::to_string(kv) + ")");
+  }
+  if (c.arch == ModelConfig::Arch::kLlama && (c.n_embd / c.n_head) % 2 != 0) {
+    BadConfig("Llama's rotary embedding needs an even head size (n_embd / n_head)");
+  }
+  if (c.dropout != 0.0) {
+    BadConfig(
+        "dropout must be 0: a stochastic forward cannot be recomputed identically under "
+        "activation checkpointing");
+  }
+  if (!(c.norm_eps > 0.0)) BadConfig("norm_eps must be positive");
+}
+
+// Registers parameters in order; the registration index seeds each parameter's generator.
+class Builder {
+ public:
+  Builder(Network& net, uint64_t seed) : net_(net), seed_(seed) {}
+
+  uint32_t Normal(const std::string& module, std::vector<int64_t> shape, double std, int32_t unit,
+                  cai_param_role role, int32_t parallel_dim) {
+    torch::Generator gen = torch_compat::CpuGenerator(SplitMix64(seed_ ^ SplitMix64(Next())));
+    torch::Tensor t = torch::empty(shape, torch::kFloat).normal_(0.0, std, gen);
+    return Add(module, "weight", t, unit, role, parallel_dim, false);
+  }
+  uint32_t Fill(const std::string& module, const char* leaf, int64_t n, double value, int32_t unit,
+                cai_param_role role, int32_t parallel_dim) {
+    Next();
+    return Add(module, leaf, torch::full({n}, value, torch::kFloat), unit, role, parallel_dim,
+               std::string(leaf) == "bias");
+  }
+
+ private:
+  uint64_t Next() { return index_++; }
+  uint32_t Add(const std::string& module, const char* leaf, torch::Tensor t, int32_t unit,
+               cai_param_role role, int32_t parallel_dim, bool is_bias) {
+    net_.params.push_back(ParamSpec{module + "." + leaf, module, t.requires_grad_(true), unit, role,
+                                    parallel_dim, is_bias});
+    return static_cast<uint32_t>(net_.params.size() - 1);
+  }
+
+  Network& net_;
+  uint64_t seed_;
+  uint64_t index_ = 0;
+};
+
+torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  return torch::linear(x, w, b);
+}
+
+// Causal attention with plain matmul/softmax (LibTorch 1.13 has no SDPA). q, k, v are
+// [B, H, T, D]; softmax runs in fp32 for bf16/fp16 inputs, as fused kernels do.
+torch::Tensor CausalAttention(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v) {
+  const int64_t t = q.size(2);
+  torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(q.size(3)));
+  torch::Tensor future =
+      torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  torch::Tensor probs = torch::softmax(scores, -1, torch::kFloat).to(q.scalar_type());
+  return torch::matmul(probs, v);
+}
+
+// [B, T, H * D] -> [B, H, T, D] and back.
+torch::Tensor SplitHeads(const torch::Tensor& x, int64_t heads) {
+  return x.view({x.size(0), x.size(1), heads, -1}).transpose(1, 2);
+}
+torch::Tensor MergeHeads(const torch::Tensor& x) {
+  return x.transpose(1, 2).contiguous().view({x.size(0), x.size(2), -1});
+}
+
+class ZooNetwork : public Network {
+ protected:
+  explicit ZooNetwork(const ModelConfig& c) : c_(c) {
+    vocab_size = c.vocab_size;
+    n_ctx = c.n_ctx;
+  }
+  torch::Tensor Wb(uint32_t index) const { return index == kNone ? torch::Tensor() : W(index); }
+  int32_t Block(int64_t layer) const { return static_cast<int32_t>(layer + 1); }
+  int32_t Head() const { return static_cast<int32_t>(c_.n_layer + 1); }
+  std::string BlockName(int64_t layer) const { return "blocks." + std::to_string(layer); }
+
+  // Units: embedding, blocks, head; each unit reads its own parameters plus `extra_head_reads`.
+  void DeclareUnits(const char* embedding_name, const char* head_name,
+                    std::vector<uint32_t> extra_head_reads) {
+    units.push_back({embedding_name, CAI_UNIT_EMBEDDING, {}});
+    for (int64_t l = 0; l < c_.n_layer; ++l) units.push_back({BlockName(l), CAI_UNIT_BLOCK, {}});
+    units.push_back({head_name, CAI_UNIT_HEAD, {}});
+    for (uint32_t i = 0; i < params.size(); ++i) units[params[i].unit].reads.push_back(i);
+    for (uint32_t i : extra_head_reads) units.back().reads.push_back(i);
+  }
+
+  std::string DescribeSizes(const char* arch) const {
+    std::ostringstream s;
+    s << arch << " vocab_size=" << c_.vocab_size << " n_ctx=" << c_.n_ctx
+      << " n_layer=" << c_.n_layer << " n_head=" << c_.n_head << " n_kv_head=" << n_kv_head_
+      << " n_embd=" << c_.n_embd << " ffn_hidden=" << ffn_ << " bias=" << c_.bias;
+    return s.str();
+  }
+
+  ModelConfig c_;
+  int64_t n_kv_head_ = 0;
+  int64_t ffn_ = 0;
+};
+
+// GPT-2 (Radford et al. 2019) as nanoGPT writes it: learned positions, pre-LayerNorm blocks,
+// fused qkv, tanh-GELU MLP, final LayerNorm, output projection tied to the token embedding.
+class Gpt2 final : public ZooNetwork {
+ public:
+  Gpt2(const ModelConfig& c, uint64_t seed) : ZooNetwork(c) {
+    n_kv_head_ = c.n_head;
+    ffn_ = c.ffn_hidden == 0 ? 4 * c.n_embd : c.ffn_hidden;
+    const int64_t e = c.n_embd;
+    // GPT-2 paper, section 2.3: residual projections scaled by 1/sqrt(N), N = 2 * n_layer.
+    const double std = 0.02, residual_std = 0.02 / std::sqrt(2.0 * double(c.n_layer));
+    Builder b(*this, seed);
+    auto bias = [&](const std::string& m, int64_t n, int32_t u, cai_param_role r, int32_t pd) {
+      return c.bias ? b.Fill(m, "bias", n, 0.0, u, r, pd) : kNone;
+    };
+    wte_ = b.Normal("wte", {c.vocab_size, e}, std, 0, CAI_ROLE_EMBEDDING, 0);
+    wpe_ = b.Normal("wpe", {c.n_ctx, e}, std, 0, CAI_ROLE_POS_EMBEDDING, -1);
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+      const std::string p = BlockName(l);
+      const int32_t u = Block(l);
+      Layer y;
+      y.ln1_w = b.Fill(p + ".ln_1", "weight", e, 1.0, u, CAI_ROLE_NORM, -1);
+      y.ln1_b = bias(p + ".ln_1", e, u, CAI_ROLE_NORM, -1);
+      y.qkv_w = b.Normal(p + ".attn.qkv", {3 * e, e}, std, u, CAI_ROLE_ATTN_QKV, 0);
+      y.qkv_b = bias(p + ".attn.qkv", 3 * e, u, CAI_ROLE_ATTN_QKV, 0);
+      y.proj_w = b.Normal(p + ".attn.proj", {e, e}, residual_std, u, CAI_ROLE_ATTN_OUT, 1);
+      y.proj_b = bias(p + ".attn.proj", e, u, CAI_ROLE_ATTN_OUT, -1);
+      y.ln2_w = b.Fill(p + ".ln_2", "weight", e, 1.0, u, CAI_ROLE_NORM, -1);
+      y.ln2_b = bias(p + ".ln_2", e, u, CAI_ROLE_NORM, -1);
+      y.fc_w = b.Normal(p + ".mlp.fc", {ffn_, e}, std, u, CAI_ROLE_MLP_UP, 0);
+      y.fc_b = bias(p + ".mlp.fc", ffn_, u, CAI_ROLE_MLP_UP, 0);
+      y.down_w = b.Normal(p + ".mlp.proj", {e, ffn_}, residual_std, u, CAI_ROLE_MLP_DOWN, 1);
+      y.down_b = bias(p + ".mlp.proj", e, u, CAI_ROLE_MLP_DOWN, -1);
+      layers_.push_back(y);
+    }
+    lnf_w_ = b.Fill("ln_f", "weight", e, 1.0, Head(), CAI_ROLE_NORM, -1);
+    lnf_b_ = bias("ln_f", e, Head(), CAI_ROLE_NORM, -1);
+    DeclareUnits("embedding", "head", {wte_});
+  }
+
+  torch::Tensor Forward(size_t unit, const torch::Tensor& x) const override {
+    if (unit == 0) {
+      return torch::embedding(W(wte_), x) + W(wpe_).slice(0, 0, x.size(1));
+    }
+    if (unit == size_t(Head())) {
+      return Linear(LayerNorm(x, lnf_w_, lnf_b_), W(wte_), {});
+    }
+    const Layer& y = layers_[unit - 1];
+    torch::Tensor qkv = Linear(LayerNorm(x, y.ln1_w, y.ln1_b), W(y.qkv_w), Wb(y.qkv_b));
+    std::vector<torch::Tensor> parts = qkv.chunk(3, -1);
+    torch::Tensor att =
+        MergeHeads(CausalAttention(SplitHeads(parts[0], c_.n_head), SplitHeads(parts[1], c_.n_head),
+                                   SplitHeads(parts[2], c_.n_head)));
+    torch::Tensor h = x + Linear(att, W(y.proj_w), Wb(y.proj_b));
+    torch::Tensor up =
+        torch::gelu(Linear(LayerNorm(h, y.ln2_w, y.ln2_b), W(y.fc_w), Wb(y.fc_b)), "tanh");
+    return h + Linear(up, W(y.down_w), Wb(y.down_b));
+  }
+
+  std::string Describe() const override { return DescribeSizes("gpt2") + " tied=wte"; }
+
+ private:
+  struct Layer {
+    uint32_t ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, down_w, down_b;
+  };
+  torch::Tensor LayerNorm(const torch::Tensor& x, uint32_t w, uint32_t b) const {
+    return torch::layer_norm(x, {c_.n_embd}, W(w), Wb(b), c_.norm_eps);
+  }
+
+  uint32_t wte_, wpe_, lnf_w_, lnf_b_;
+  std::vector<Layer> layers_;
+};
+
+// Llama (Touvron et al. 2023): RMSNorm, rotary position embedding, SwiGLU MLP, grouped-query
+// attention with n_kv_head key/value heads, untied output projection.
+class Llama final : public ZooNetwork {
+ public:
+  Llama(const ModelConfig& c, uint64_t seed) : ZooNetwork(c) {
+    n_kv_head_ = c.n_kv_head == 0 ? c.n_head : c.n_kv_head;
+    // Meta's reference: hidden = 2/3 * 4 * n_embd, rounded up to a multiple of 256.
+    ffn_ = c.ffn_hidden != 0 ? c.ffn_hidden : 256 * ((8 * c.n_embd / 3 + 255) / 256);
+    const int64_t e = c.n_embd, d = e / c.n_head;
+    const double std = 0.02, residual_std = 0.02 / std::sqrt(2.0 * double(c.n_layer));
+    Builder b(*this, seed);
+    auto bias = [&](const std::string& m, int64_t n, int32_t u, cai_param_role r, int32_t pd) {
+      return c.bias ? b.Fill(m, "bias", n, 0.0, u, r, pd) : kNone;
+    };
+    embed_ = b.Normal("embed_tokens", {c.vocab_size, e}, std, 0, CAI_ROLE_EMBEDDING, 0);
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+      const std::string p = BlockName(l);
+      const int32_t u = Block(l);
+      Layer y;
+      y.attn_norm = b.Fill(p + ".attn_norm", "weight", e, 1.0, u, CAI_ROLE_NORM, -1);
+      y.q_w = b.Normal(p + ".attn.q", {e, e}, std, u, CAI_ROLE_ATTN_Q, 0);
+      y.q_b = bias(p + ".attn.q", e, u, CAI_ROLE_ATTN_Q, 0);
+      y.k_w = b.Normal(p + ".attn.k", {n_kv_head_ * d, e}, std, u, CAI_ROLE_ATTN_K, 0);
+      y.k_b = bias(p + ".attn.k", n_kv_head_ * d, u, CAI_ROLE_ATTN_K, 0);
+      y.v_w = b.Normal(p + ".attn.v", {n_kv_head_ * d, e}, std, u, CAI_ROLE_ATTN_V, 0);
+      y.v_b = bias(p + ".attn.v", n_kv_head_ * d, u, CAI_ROLE_ATTN_V, 0);
+      y.o_w = b.Normal(p + ".attn.o", {e, e}, residual_std, u, CAI_ROLE_ATTN_OUT, 1);
+      y.o_b = bias(p + ".attn.o", e, u, CAI_ROLE_ATTN_OUT, -1);
+      y.mlp_norm = b.Fill(p + ".mlp_norm", "weight", e, 1.0, u, CAI_ROLE_NORM, -1);
+      y.gate_w = b.Normal(p + ".mlp.gate", {ffn_, e}, std, u, CAI_ROLE_MLP_GATE, 0);
+      y.gate_b = bias(p + ".mlp.gate", ffn_, u, CAI_ROLE_MLP_GATE, 0);
+      y.up_w = b.Normal(p + ".mlp.up", {ffn_, e}, std, u, CAI_ROLE_MLP_UP, 0);
+      y.up_b = bias(p + ".mlp.up", ffn_, u, CAI_ROLE_MLP_UP, 0);
+      y.down_w = b.Normal(p + ".mlp.down", {e, ffn_}, residual_std, u, CAI_ROLE_MLP_DOWN, 1);
+      y.down_b = bias(p + ".mlp.down", e, u, CAI_ROLE_MLP_DOWN, -1);
+      layers_.push_back(y);
+    }
+    norm_ = b.Fill("norm", "weight", e, 1.0, Head(), CAI_ROLE_NORM, -1);
+    lm_head_ = b.Normal("lm_head", {c.vocab_size, e}, std, Head(), CAI_ROLE_LM_HEAD, 0);
+    DeclareUnits("embedding", "head", {});
+
+    // RoFormer (Su et al. 2021) frequencies theta^(-2i/d), rotate-half layout as in HF Llama.
+    torch::Tensor inv_freq =
+        torch::pow(c.rope_theta, -torch::arange(0, d, 2, torch::kDouble) / double(d));
+    torch::Tensor angles = torch::outer(torch::arange(c.n_ctx, torch::kDouble), inv_freq);
+    angles = torch::cat({angles, angles}, -1);
+    cos_ = angles.cos().to(torch::kFloat);
+    sin_ = angles.sin().to(torch::kFloat);
+  }
+
+  torch::Tensor Forward(size_t unit, const torch::Tensor& x) const override {
+    if (unit == 0) return torch::embedding(W(embed_), x);
+    if (unit == size_t(Head())) return Linear(RmsNorm(x, norm_), W(lm_head_), {});
+    const Layer& y = layers_[unit - 1];
+    const int64_t t = x.size(1);
+    torch::Tensor cos = cos_.slice(0, 0, t).to(x.device(), x.scalar_type());
+    torch::Tensor sin = sin_.slice(0, 0, t).to(x.device(), x.scalar_type());
+    torch::Tensor a = RmsNorm(x, y.attn_norm);
+    torch::Tensor q = Rotate(SplitHeads(Linear(a, W(y.q_w), Wb(y.q_b)), c_.n_head), cos, sin);
+    torch::Tensor k = Rotate(SplitHeads(Linear(a, W(y.k_w), Wb(y.k_b)), n_kv_head_), cos, sin);
+    torch::Tensor v = SplitHeads(Linear(a, W(y.v_w), Wb(y.v_b)), n_kv_head_);
+    const int64_t group = c_.n_head / n_kv_head_;
+    if (group > 1) {
+      k = k.repeat_interleave(group, 1);
+      v = v.repeat_interleave(group, 1);
+    }
+    torch::Tensor h = x + Linear(MergeHeads(CausalAttention(q, k, v)), W(y.o_w), Wb(y.o_b));
+    torch::Tensor m = RmsNorm(h, y.mlp_norm);
+    torch::Tensor swiglu =
+        torch::silu(Linear(m, W(y.gate_w), Wb(y.gate_b))) * Linear(m, W(y.up_w), Wb(y.up_b));
+    return h + Linear(swiglu, W(y.down_w), Wb(y.down_b));
+  }
+
+  std::string Describe() const override { return DescribeSizes("llama"); }
+
+ private:
+  struct Layer {
+    uint32_t attn_norm, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, mlp_norm, gate_w, gate_b, up_w,
+        up_b, down_w, down_b;
+  };
+  // Zhang & Sennrich 2019; statistics in fp32 whatever the compute dtype.
+  torch::Tensor RmsNorm(const torch::Tensor& x, uint32_t w) const {
+    torch::Tensor xf = x.to(torch::kFloat);
+    torch::Tensor normed = xf * torch::rsqrt(xf.pow(2).mean(-1, true) + c_.norm_eps);
+    return normed.to(x.scalar_type()) * W(w);
+  }
+  static torch::Tensor Rotate(const torch::Tensor& x, const torch::Tensor& cos,
+                              const torch::Tensor& sin) {
+    std::vector<torch::Tensor> halves = x.chunk(2, -1);
+    return x * cos + torch::cat({-halves[1], halves[0]}, -1) * sin;
+  }
+
+  uint32_t embed_, norm_, lm_head_;
+  std::vector<Layer> layers_;
+  // Non-persistent (never exposed as buffers): a function of the config alone.
+  torch::Tensor cos_, sin_;
+};
+
+}  // namespace
+
+std::unique_ptr<Network> MakeZooNetwork(const ModelConfig& config, uint64_t seed) {
+  Validate(config);
+  if (config.arch == ModelConfig::Arch::kGpt2) return std::make_unique<Gpt2>(config, seed);
+  return std::make_unique<Llama>(config, seed);
+}
+
+std::unique_ptr<Model> MakeZooModel(const ModelConfig& config, uint64_t seed,
+                                    const ParamOptions& options) {
+  return MakeModel(MakeZooNetwork(config, seed), options);
+}
+
+}  // namespace cai

@@ -1,0 +1,250 @@
+// MemoryPool: budgets, accounting, reuse, the NVMe tier, concurrency. Each test uses its own
+// pool so that tests do not see each other's usage.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/status.h"
+#include "mem/pool.h"
+
+namespace cai {
+namespace {
+
+constexpr cai_mem_tier kAllTiers[] = {CAI_MEM_DEVICE, CAI_MEM_PINNED_HOST, CAI_MEM_HOST,
+                                       CAI_MEM_NVME};
+
+// A fresh directory under $TMPDIR (or /tmp), removed at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    const char* tmp = getenv("TMPDIR");
+    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/cai-pool-test-XXXXXX";
+    path_ = mkdtemp(pattern.data());
+  }
+  ~TempDir() { rmdir(path_.c_str()); }
+  const std::string& path() const { return path_; }
+  std::vector<std::string> Entries() const {
+    std::vector<std::string> names;
+    DIR* dir = opendir(path_.c_str());
+    while (dirent* e = readdir(dir)) {
+      if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
+        names.push_back(e->d_name);
+      }
+    }
+    closedir(dir);
+    return names;
+  }
+
+ private:
+  std::string path_;
+};
+
+TEST(MemPool, OverBudget_FailsNamingTierRequestBudgetAndUse) {
+  MemoryPool pool;
+  pool.SetBudget(CAI_MEM_DEVICE, 1 << 20);
+  cai_buffer* held = pool.Allocate(CAI_MEM_DEVICE, 768 << 10, 0, "zero.master");
+  try {
+    pool.Allocate(CAI_MEM_DEVICE, 512 << 10, 0, "ddp.bucket");
+    FAIL() << "allocation over budget succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), CAI_RESOURCE_EXHAUSTED);
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("DEVICE"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("524288 bytes"), std::string::npos) << msg;  // the request
+    EXPECT_NE(msg.find("1048576 bytes"), std::string::npos) << msg;  // the budget
+    EXPECT_NE(msg.find("786432 bytes"), std::string::npos) << msg;   // in use
+    EXPECT_NE(msg.find("ddp.bucket"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("offload"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(pool.Usage(CAI_MEM_DEVICE).current_bytes, 768u << 10);
+  // Exactly filling the budget is allowed; other tiers are unaffected.
+  cai_buffer* rest = pool.Allocate(CAI_MEM_DEVICE, 256 << 10);
+  cai_buffer* host = pool.Allocate(CAI_MEM_HOST, 4 << 20);
+  pool.Free(held);
+  pool.Free(rest);
+  pool.Free(host);
+}
+
+TEST(MemPool, BudgetBelowCurrentUse_FailsWithFailedPrecondition) {
+  MemoryPool pool;
+  cai_buffer* b = pool.Allocate(CAI_MEM_HOST, 4096);
+  try {
+    pool.SetBudget(CAI_MEM_HOST, 1024);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), CAI_FAILED_PRECONDITION);
+    EXPECT_NE(std::string(e.what()).find("HOST"), std::string::npos);
+  }
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).budget_bytes, 0u);
+  pool.Free(b);
+}
+
+TEST(MemPool, AllocateAndFreeOnEveryTier_UsageReturnsToZero) {
+  TempDir dir;
+  MemoryPool pool;
+  pool.SetNvmeDirectory(dir.path());
+  for (cai_mem_tier tier : kAllTiers) {
+    std::vector<cai_buffer*> buffers;
+    for (size_t bytes : {1ul, 100ul, 4096ul, 1000000ul}) buffers.push_back(pool.Allocate(tier, bytes));
+    TierUsage u = pool.Usage(tier);
+    EXPECT_EQ(u.current_bytes, 1u + 100 + 4096 + 1000000) << TierName(tier);
+    EXPECT_EQ(u.peak_bytes, u.current_bytes);
+    EXPECT_EQ(u.num_allocations, 4u);
+    for (cai_buffer* b : buffers) pool.Free(b);
+    u = pool.Usage(tier);
+    EXPECT_EQ(u.current_bytes, 0u) << TierName(tier);
+    EXPECT_EQ(u.num_allocations, 0u);
+    EXPECT_EQ(u.peak_bytes, 1u + 100 + 4096 + 1000000);
+    EXPECT_GE(u.cached_bytes, u.peak_bytes);
+    pool.ReleaseCached(tier);
+    EXPECT_EQ(pool.Usage(tier).cached_bytes, 0u);
+  }
+}
+
+TEST(MemPool, FreedBlock_IsReusedForSameSizeClass) {
+  MemoryPool pool;
+  cai_buffer* a = pool.Allocate(CAI_MEM_HOST, 1000);
+  void* address = a->data;
+  pool.Free(a);
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).cached_bytes, 1024u);
+  cai_buffer* b = pool.Allocate(CAI_MEM_HOST, 1020);  // same 1 KiB class
+  EXPECT_EQ(b->data, address);
+  EXPECT_EQ(b->bytes, 1020u);
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).cached_bytes, 0u);
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).current_bytes, 1020u);
+  cai_buffer* c = pool.Allocate(CAI_MEM_HOST, 5000);  // another class: fresh memory
+  EXPECT_NE(c->data, address);
+  pool.Free(b);
+  pool.Free(c);
+}
+
+TEST(MemPool, CachedBlocks_AreReleasedRatherThanExceedBudget) {
+  MemoryPool pool;
+  pool.SetBudget(CAI_MEM_DEVICE, 4 << 20);
+  pool.Free(pool.Allocate(CAI_MEM_DEVICE, 3 << 20));
+  EXPECT_EQ(pool.Usage(CAI_MEM_DEVICE).cached_bytes, 3u << 20);
+  // A different class that fits the budget only if the cached 3 MiB go back to the system.
+  cai_buffer* b = pool.Allocate(CAI_MEM_DEVICE, 2 << 20);
+  EXPECT_EQ(pool.Usage(CAI_MEM_DEVICE).cached_bytes, 0u);
+  pool.Free(b);
+}
+
+TEST(MemPool, ResetPeak_RestartsAtCurrentUse) {
+  MemoryPool pool;
+  cai_buffer* a = pool.Allocate(CAI_MEM_PINNED_HOST, 1 << 20);
+  cai_buffer* b = pool.Allocate(CAI_MEM_PINNED_HOST, 2 << 20);
+  pool.Free(b);
+  EXPECT_EQ(pool.Usage(CAI_MEM_PINNED_HOST).peak_bytes, 3u << 20);
+  pool.ResetPeak(CAI_MEM_PINNED_HOST);
+  EXPECT_EQ(pool.Usage(CAI_MEM_PINNED_HOST).peak_bytes, 1u << 20);
+  pool.Free(a);
+}
+
+TEST(MemPool, Alignment_IsHonouredAndValidated) {
+  MemoryPool pool;
+  for (size_t align : {0ul, 16ul, 64ul, 256ul, 4096ul, 1ul << 16}) {
+    cai_buffer* b = pool.Allocate(CAI_MEM_HOST, 100, align);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data) % std::max<size_t>(align, 64), 0u) << align;
+    pool.Free(b);
+  }
+  EXPECT_THROW(pool.Allocate(CAI_MEM_HOST, 100, 48), Error);
+  try {
+    pool.Allocate(CAI_MEM_NVME, 100, size_t{1} << 20);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), CAI_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("page size"), std::string::npos);
+  }
+}
+
+TEST(MemPool, BadTierOrZeroBytes_AreInvalidArguments) {
+  MemoryPool pool;
+  try {
+    pool.Allocate(7, 10);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), CAI_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("tier 7"), std::string::npos);
+  }
+  EXPECT_THROW(pool.Allocate(CAI_MEM_HOST, 0), Error);
+  EXPECT_THROW(pool.Usage(-1), Error);
+}
+
+TEST(MemPool, ZeroFill_ClearsReusedBlock) {
+  MemoryPool pool;
+  cai_buffer* a = pool.Allocate(CAI_MEM_HOST, 4096);
+  std::memset(a->data, 0xab, 4096);
+  pool.Free(a);
+  cai_buffer* b = pool.Allocate(CAI_MEM_HOST, 4096, 0, {}, /*zero_fill=*/true);
+  ASSERT_EQ(b->data, a->data);
+  const auto* bytes = static_cast<const uint8_t*>(b->data);
+  for (size_t i = 0; i < 4096; ++i) ASSERT_EQ(bytes[i], 0) << i;
+  pool.Free(b);
+}
+
+TEST(MemPool, NvmeTier_RoundTripsDataThroughUnlinkedFile) {
+  TempDir dir;
+  MemoryPool pool;
+  pool.SetNvmeDirectory(dir.path());
+  EXPECT_EQ(pool.NvmeDirectory(), dir.path());
+  const size_t n = (8 << 20) / sizeof(uint32_t);
+  cai_buffer* b = pool.Allocate(CAI_MEM_NVME, n * sizeof(uint32_t), 0, "gemini.offload");
+  EXPECT_TRUE(dir.Entries().empty()) << "backing file left visible: " << dir.Entries()[0];
+  auto* words = static_cast<uint32_t*>(b->data);
+  for (size_t i = 0; i < n; ++i) words[i] = static_cast<uint32_t>(i * 2654435761u);
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(words[i], static_cast<uint32_t>(i * 2654435761u));
+  // The mapping is the deleted file in that directory, not anonymous memory.
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  bool mapped = false;
+  while (std::getline(maps, line)) {
+    mapped |= line.find(dir.path() + "/cai-nvme-") != std::string::npos &&
+              line.find("(deleted)") != std::string::npos;
+  }
+  EXPECT_TRUE(mapped);
+  pool.Free(b);
+  pool.ReleaseCached(CAI_MEM_NVME);
+  EXPECT_TRUE(dir.Entries().empty());
+}
+
+TEST(MemPool, NvmeDirectoryNotWritable_IsRefused) {
+  MemoryPool pool;
+  try {
+    pool.SetNvmeDirectory("/nonexistent/cai");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), CAI_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/cai"), std::string::npos);
+  }
+}
+
+TEST(MemPool, ConcurrentAllocateAndFree_KeepsAccountingExact) {
+  MemoryPool pool;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&pool, t] {
+      for (int i = 0; i < 2000; ++i) {
+        cai_buffer* b = pool.Allocate(CAI_MEM_HOST, static_cast<size_t>(64 + (i + t) % 5000));
+        static_cast<char*>(b->data)[0] = 1;
+        pool.Free(b);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  const TierUsage u = pool.Usage(CAI_MEM_HOST);
+  EXPECT_EQ(u.current_bytes, 0u);
+  EXPECT_EQ(u.num_allocations, 0u);
+  EXPECT_LE(u.peak_bytes, 8u * 5064);
+}
+
+}  // namespace
+}  // namespace cai

@@ -1,0 +1,7 @@
+#include "data/default_corpus.h"
+
+namespace cai::data {
+
+std::vector<Token> DefaultCorpusTokens() { return ByteTokenizer().Encode(DefaultCorpusText()); }
+
+}  // namespace cai::data

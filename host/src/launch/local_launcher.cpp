@@ -1,0 +1,413 @@
+#include "launch/local_launcher.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+#include <optional>
+
+#include "core/status.h"
+
+extern char** environ;
+
+namespace cai::launch {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A rank's line longer than this is passed on in pieces rather than buffered without bound.
+constexpr size_t kMaxLine = 64 * 1024;
+// How often the launcher looks at its children when no output arrives.
+constexpr int kPollMs = 100;
+
+volatile sig_atomic_t g_interrupt_signal = 0;
+
+void OnInterrupt(int sig) { g_interrupt_signal = sig; }
+
+// Installs OnInterrupt for the launcher's lifetime; without SA_RESTART so poll() wakes up.
+class InterruptHandlers {
+ public:
+  InterruptHandlers() {
+    g_interrupt_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = OnInterrupt;
+    sigemptyset(&action.sa_mask);
+    for (size_t i = 0; i < kSignals.size(); ++i) sigaction(kSignals[i], &action, &previous_[i]);
+  }
+  ~InterruptHandlers() {
+    for (size_t i = 0; i < kSignals.size(); ++i) sigaction(kSignals[i], &previous_[i], nullptr);
+  }
+  InterruptHandlers(const InterruptHandlers&) = delete;
+  InterruptHandlers& operator=(const InterruptHandlers&) = delete;
+
+ private:
+  static constexpr std::array<int, 3> kSignals{SIGINT, SIGTERM, SIGHUP};
+  std::array<struct sigaction, 3> previous_{};
+};
+
+std::string DescribeStatus(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = sigabbrev_np(sig);
+    return "was killed by signal " + std::to_string(sig) +
+           (name ? std::string(" (SIG") + name + ")" : std::string());
+  }
+  return "ended with wait status " + std::to_string(status);
+}
+
+int ExitCodeFor(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+int FreePort(const std::string& addr) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw Error(CAI_UNAVAILABLE, std::string("socket: ") + std::strerror(errno));
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = 0;
+  if (::inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) sa.sin_addr.s_addr = INADDR_ANY;
+  socklen_t len = sizeof(sa);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0;
+  const int err = errno;
+  ::close(fd);
+  if (!ok) {
+    throw Error(CAI_UNAVAILABLE, "could not find a free port on " + addr + ": " +
+                                     std::strerror(err) + " (set launch.master_port)");
+  }
+  return ntohs(sa.sin_port);
+}
+
+struct Pipe {
+  int fd = -1;
+  std::string pending;
+};
+
+struct Child {
+  pid_t pid = -1;
+  bool reaped = false;
+  int status = 0;
+  Pipe out, err;
+};
+
+class Launcher {
+ public:
+  explicit Launcher(const LaunchOptions& options) : options_(options) {}
+
+  ~Launcher() {
+    // Only reached with live children when something threw: leave nothing behind.
+    Signal(SIGKILL);
+    for (Child& c : children_) {
+      if (!c.reaped && c.pid > 0) ::waitpid(c.pid, &c.status, 0);
+      CloseFd(c.out.fd);
+      CloseFd(c.err.fd);
+    }
+  }
+
+  LaunchResult Run() {
+    Start();
+    while (true) {
+      Pump();
+      Reap();
+      if (!failure_ && g_interrupt_signal != 0) {
+        failure_exit_code_ = 128 + g_interrupt_signal;
+        failure_ = std::string("the launcher got signal ") + std::to_string(g_interrupt_signal);
+        StopAll();
+      }
+      if (kill_at_ && Clock::now() >= *kill_at_) {
+        Signal(SIGKILL);
+        kill_at_.reset();
+      }
+      if (AllReaped()) {
+        // A grandchild may still hold a pipe open; give it a moment, then stop listening.
+        if (!drain_until_) drain_until_ = Clock::now() + std::chrono::seconds(1);
+        if (!AnyFdOpen() || Clock::now() >= *drain_until_) break;
+      }
+    }
+    for (Child& c : children_) {
+      Flush(&c - children_.data(), c.out, Stream::kStdout);
+      Flush(&c - children_.data(), c.err, Stream::kStderr);
+      CloseFd(c.out.fd);
+      CloseFd(c.err.fd);
+    }
+    LaunchResult result;
+    for (const Child& c : children_) {
+      result.pids.push_back(c.pid);
+      result.wait_statuses.push_back(c.status);
+    }
+    if (failure_) {
+      result.exit_code = failure_exit_code_;
+      result.message = *failure_ + "; stopped " + std::to_string(stopped_) + " still-running rank" +
+                       (stopped_ == 1 ? "" : "s");
+    }
+    return result;
+  }
+
+ private:
+  void Start() {
+    const std::filesystem::path exe = options_.executable.empty()
+                                          ? std::filesystem::read_symlink("/proc/self/exe")
+                                          : options_.executable;
+    if (::access(exe.c_str(), X_OK) != 0) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "cannot run ranks from " + exe.string() + ": " + std::strerror(errno));
+    }
+    const int port =
+        options_.master_port > 0 ? options_.master_port : FreePort(options_.master_addr);
+    const std::string run_id = "local-" + std::to_string(::getpid()) + "-" +
+                               std::to_string(Clock::now().time_since_epoch().count());
+
+    std::vector<std::pair<std::string, std::string>> common = options_.env;
+    common.emplace_back("WORLD_SIZE", std::to_string(options_.nproc));
+    common.emplace_back("LOCAL_WORLD_SIZE", std::to_string(options_.nproc));
+    common.emplace_back("MASTER_ADDR", options_.master_addr);
+    common.emplace_back("MASTER_PORT", std::to_string(port));
+    common.emplace_back("CAI_RUN_ID", run_id);
+
+    std::vector<std::string> argv_strings{exe.string()};
+    argv_strings.insert(argv_strings.end(), options_.args.begin(), options_.args.end());
+    std::vector<char*> argv;
+    for (std::string& s : argv_strings) argv.push_back(s.data());
+    argv.push_back(nullptr);
+
+    const pid_t launcher_pid = ::getpid();
+    pid_t pgid = 0;
+    children_.resize(static_cast<size_t>(options_.nproc));
+    for (int rank = 0; rank < options_.nproc; ++rank) {
+      auto vars = common;
+      vars.emplace_back("RANK", std::to_string(rank));
+      vars.emplace_back("LOCAL_RANK", std::to_string(rank));
+      // Everything the child needs is built before fork: after fork only async-signal-safe
+      // calls are allowed, as other threads may hold the allocator's lock.
+      std::vector<std::string> env_strings = Environment(vars);
+      std::vector<char*> envp;
+      for (std::string& s : env_strings) envp.push_back(s.data());
+      envp.push_back(nullptr);
+
+      int out[2], err[2];
+      if (::pipe2(out, O_CLOEXEC) != 0) throw Error(CAI_INTERNAL, "pipe failed");
+      if (::pipe2(err, O_CLOEXEC) != 0) {
+        ::close(out[0]);
+        ::close(out[1]);
+        throw Error(CAI_INTERNAL, "pipe failed");
+      }
+      const pid_t pid = ::fork();
+      if (pid == 0) {
+        ::setpgid(0, pgid);
+        ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+        // The launcher may have died before prctl took effect.
+        if (::getppid() != launcher_pid) ::_exit(127);
+        ::dup2(out[1], STDOUT_FILENO);
+        ::dup2(err[1], STDERR_FILENO);
+        ::execve(argv[0], argv.data(), envp.data());
+        const char msg[] = "cai launcher: execve failed\n";
+        [[maybe_unused]] auto ignored = ::write(STDERR_FILENO, msg, sizeof(msg) - 1);
+        ::_exit(127);
+      }
+      ::close(out[1]);
+      ::close(err[1]);
+      Child& child = children_[static_cast<size_t>(rank)];
+      child.out.fd = out[0];
+      child.err.fd = err[0];
+      if (pid < 0)
+        throw Error(CAI_RESOURCE_EXHAUSTED, "fork failed for rank " + std::to_string(rank));
+      child.pid = pid;
+      // Also from the parent, so the group exists before the next fork whatever the order.
+      ::setpgid(pid, pgid == 0 ? pid : pgid);
+      if (pgid == 0) pgid = pid;
+    }
+    pgid_ = pgid;
+  }
+
+  static std::vector<std::string> Environment(
+      const std::vector<std::pair<std::string, std::string>>& vars) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string_view entry(*e);
+      const std::string_view key = entry.substr(0, entry.find('='));
+      bool overridden = false;
+      for (const auto& [k, v] : vars) overridden = overridden || k == key;
+      if (!overridden) env.emplace_back(entry);
+    }
+    for (const auto& [k, v] : vars) env.push_back(k + "=" + v);
+    return env;
+  }
+
+  void Pump() {
+    std::vector<pollfd> fds;
+    std::vector<std::pair<size_t, Stream>> owners;
+    for (size_t i = 0; i < children_.size(); ++i) {
+      for (Stream s : {Stream::kStdout, Stream::kStderr}) {
+        const Pipe& p = s == Stream::kStdout ? children_[i].out : children_[i].err;
+        if (p.fd >= 0) {
+          fds.push_back({p.fd, POLLIN, 0});
+          owners.emplace_back(i, s);
+        }
+      }
+    }
+    if (fds.empty()) {
+      ::usleep(kPollMs * 1000);
+      return;
+    }
+    if (::poll(fds.data(), fds.size(), kPollMs) <= 0) return;
+    for (size_t k = 0; k < fds.size(); ++k) {
+      if (fds[k].revents == 0) continue;
+      const auto [i, stream] = owners[k];
+      Pipe& p = stream == Stream::kStdout ? children_[i].out : children_[i].err;
+      char buffer[65536];
+      const ssize_t n = ::read(p.fd, buffer, sizeof(buffer));
+      if (n > 0) {
+        p.pending.append(buffer, static_cast<size_t>(n));
+        Emit(i, p, stream);
+      } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+        Flush(i, p, stream);
+        CloseFd(p.fd);
+      }
+    }
+  }
+
+  void Emit(size_t rank, Pipe& p, Stream stream) {
+    size_t begin = 0;
+    for (size_t nl; (nl = p.pending.find('\n', begin)) != std::string::npos; begin = nl + 1) {
+      options_.sink(static_cast<int>(rank), stream,
+                    std::string_view(p.pending).substr(begin, nl - begin));
+    }
+    p.pending.erase(0, begin);
+    if (p.pending.size() > kMaxLine) Flush(rank, p, stream);
+  }
+
+  void Flush(size_t rank, Pipe& p, Stream stream) {
+    if (!p.pending.empty()) options_.sink(static_cast<int>(rank), stream, p.pending);
+    p.pending.clear();
+  }
+
+  void Reap() {
+    for (size_t i = 0; i < children_.size(); ++i) {
+      Child& c = children_[i];
+      if (c.reaped) continue;
+      const pid_t r = ::waitpid(c.pid, &c.status, WNOHANG);
+      if (r != c.pid) continue;
+      c.reaped = true;
+      const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
+      if (!ok && !failure_) {
+        failure_ = "rank " + std::to_string(i) + " (pid " + std::to_string(c.pid) + ") " +
+                   DescribeStatus(c.status);
+        failure_exit_code_ = ExitCodeFor(c.status);
+        StopAll();
+      }
+    }
+  }
+
+  void StopAll() {
+    for (const Child& c : children_) stopped_ += c.reaped ? 0 : 1;
+    Signal(SIGTERM);
+    kill_at_ = Clock::now() + options_.grace;
+  }
+
+  void Signal(int sig) {
+    // A pgid is safe to signal while its leader is unreaped (a zombie still owns the id);
+    // afterwards the id could be reused, so only the known, unreaped pids are signalled.
+    if (pgid_ > 0 && !children_.empty() && !children_[0].reaped) ::killpg(pgid_, sig);
+    for (const Child& c : children_) {
+      if (!c.reaped && c.pid > 0) ::kill(c.pid, sig);
+    }
+  }
+
+  bool AllReaped() const {
+    for (const Child& c : children_) {
+      if (!c.reaped) return false;
+    }
+    return true;
+  }
+
+  bool AnyFdOpen() const {
+    for (const Child& c : children_) {
+      if (c.out.fd >= 0 || c.err.fd >= 0) return true;
+    }
+    return false;
+  }
+
+  static void CloseFd(int& fd) {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  }
+
+  const LaunchOptions& options_;
+  std::vector<Child> children_;
+  pid_t pgid_ = 0;
+  std::optional<std::string> failure_;
+  int failure_exit_code_ = 0;
+  int stopped_ = 0;
+  std::optional<Clock::time_point> kill_at_;
+  std::optional<Clock::time_point> drain_until_;
+};
+
+}  // namespace
+
+void WriteRankLine(int rank, Stream stream, std::string_view line) {
+  std::string text = "[rank " + std::to_string(rank) + "] ";
+  text.append(line);
+  text.push_back('\n');
+  const int fd = stream == Stream::kStdout ? STDOUT_FILENO : STDERR_FILENO;
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    done += static_cast<size_t>(n);
+  }
+}
+
+int ParseNproc(std::string_view text) {
+  int n = 0;
+  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+  if (text.empty() || ec != std::errc() || ptr != text.data() + text.size() || n < 1) {
+    throw Error(CAI_INVALID_ARGUMENT, "--nproc must be a whole number of ranks, at least 1; got '" +
+                                          std::string(text) + "'");
+  }
+  return n;
+}
+
+LaunchResult LaunchLocal(const LaunchOptions& options) {
+  if (options.nproc < 1) {
+    throw Error(CAI_INVALID_ARGUMENT,
+                "--nproc must be at least 1, got " + std::to_string(options.nproc));
+  }
+  InterruptHandlers handlers;
+  Launcher launcher(options);
+  return launcher.Run();
+}
+
+int RunOrLaunch(const LaunchOptions& options,
+                const std::function<int(const RankEnv&)>& rank_main) {
+  if (std::optional<RankEnv> env = DetectRankEnv()) return rank_main(*env);
+  if (options.nproc == 1) {
+    RankEnv local;
+    local.launcher = "local";
+    local.master_addr = "127.0.0.1";
+    local.master_port = FreePort(local.master_addr);
+    local.run_id = "local-" + std::to_string(::getpid());
+    return rank_main(local);
+  }
+  LaunchResult result = LaunchLocal(options);
+  if (result.exit_code != 0) {
+    const std::string line = "cai: error: " + result.message + "\n";
+    (void)!::write(STDERR_FILENO, line.data(), line.size());
+  }
+  return result.exit_code;
+}
+
+}  // namespace cai::launch

@@ -1,0 +1,81 @@
+// `cai train --nproc N`: runs N ranks of one program on this machine, the way torchrun does,
+// and makes sure they live and die together.
+//
+// Each rank is a child process (fork + execve) with RANK, WORLD_SIZE, LOCAL_RANK,
+// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and CAI_RUN_ID set, so DetectRankEnv() in the
+// child finds its rank. The children share one new process group (so a signal to the group
+// also reaches anything they spawned) and carry PR_SET_PDEATHSIG(SIGKILL), so they die if the
+// launcher dies, even by SIGKILL. Their stdout and stderr come back through pipes and reach the
+// sink line by line, tagged with the rank.
+//
+// If a rank exits non-zero or is killed by a signal, or the launcher gets SIGINT, SIGTERM or
+// SIGHUP, every other rank gets SIGTERM and, `grace` later, SIGKILL; the launcher returns
+// once all are reaped. A rank that hangs while its peer is dead is thus gone within
+// grace + 0.1 s of the death, well within the 60 s a user waits for a failed job to end.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "launch/rank_env.h"
+
+namespace cai::launch {
+
+enum class Stream { kStdout, kStderr };
+
+// Receives each line a rank printed, without its newline. Called on the launcher's thread.
+using LineSink = std::function<void(int rank, Stream stream, std::string_view line)>;
+
+// Writes "[rank R] line\n" to the launcher's stdout or stderr in one write(), so lines of
+// different ranks never interleave mid-line.
+void WriteRankLine(int rank, Stream stream, std::string_view line);
+
+struct LaunchOptions {
+  int nproc = 0;
+  std::filesystem::path executable;  // empty: this process's own executable
+  std::vector<std::string> args;     // argv[1...] of every rank
+  // Set in every rank's environment on top of the launcher's own.
+  std::vector<std::pair<std::string, std::string>> env;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;                     // 0: a port that is free on this machine now
+  std::chrono::milliseconds grace{10000};  // from SIGTERM to SIGKILL
+  LineSink sink = WriteRankLine;
+};
+
+struct LaunchResult {
+  // 0 when every rank exited 0. Otherwise what the launcher should exit with: the first
+  // failed rank's exit status, or 128 + signal number when it (or the launcher) was signalled.
+  int exit_code = 0;
+  // Empty on success; else names the first failed rank, its pid and exit status or signal,
+  // and how many ranks were stopped.
+  std::string message;
+  std::vector<pid_t> pids;         // by rank
+  std::vector<int> wait_statuses;  // by rank, as waitpid() reported them
+};
+
+// Parses the value of --nproc. Throws cai::Error (INVALID_ARGUMENT) unless it is an integer
+// >= 1.
+int ParseNproc(std::string_view text);
+
+// Runs the ranks and returns when all have ended. Throws cai::Error (INVALID_ARGUMENT) for
+// nproc < 1, and for failures to start (no executable, no free port, fork failure) after
+// stopping any rank already started. Installs handlers for SIGINT, SIGTERM and SIGHUP for its
+// duration and restores the previous ones. Call it from the main thread: the children's
+// death signal fires when the thread that forked them exits.
+LaunchResult LaunchLocal(const LaunchOptions& options);
+
+// The one way a cai command becomes ranks: when the environment names a rank (torchrun,
+// SLURM, Open MPI variables) it runs `rank_main` as that rank; with options.nproc == 1 it runs
+// `rank_main` as the only rank of a one-process world (free loopback port, run id from the
+// pid); otherwise it launches options.nproc copies of the program with options.args, which
+// then take the first path. Returns the exit status; a failed launch prints its message.
+int RunOrLaunch(const LaunchOptions& options, const std::function<int(const RankEnv&)>& rank_main);
+
+}  // namespace cai::launch

@@ -1,0 +1,252 @@
+#include "launch/local_launcher.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <mutex>
+#include <thread>
+
+#include "core/status.h"
+
+namespace cai::launch {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::seconds;
+using Clock = std::chrono::steady_clock;
+
+struct Line {
+  int rank;
+  Stream stream;
+  std::string text;
+};
+
+LaunchOptions Fake(int nproc, const std::string& mode, std::vector<Line>* lines) {
+  LaunchOptions options;
+  options.nproc = nproc;
+  options.executable = CAI_FAKE_RANK;
+  options.args = {mode};
+  options.grace = std::chrono::milliseconds(1000);
+  options.sink = [lines](int rank, Stream stream, std::string_view text) {
+    lines->push_back({rank, stream, std::string(text)});
+  };
+  return options;
+}
+
+// A process is gone when kill(pid, 0) fails, or when it is a zombie whose new parent (init,
+// outside our control) has not reaped it yet.
+bool Gone(pid_t pid) {
+  if (::kill(pid, 0) != 0) return errno == ESRCH;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string field;
+  for (int i = 0; i < 3 && stat >> field; ++i) {
+  }
+  return field == "Z";
+}
+
+void ExpectAllGone(const std::vector<pid_t>& pids) {
+  for (pid_t pid : pids) EXPECT_TRUE(Gone(pid)) << "pid " << pid << " is still running";
+}
+
+class PidDir {
+ public:
+  PidDir() : path_(fs::temp_directory_path() / ("cai_launch_test_" + std::to_string(::getpid()))) {
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~PidDir() { fs::remove_all(path_); }
+  const fs::path& path() const { return path_; }
+  std::vector<pid_t> Pids() const {
+    std::vector<pid_t> pids;
+    for (const auto& e : fs::directory_iterator(path_)) {
+      pid_t pid = 0;
+      if (std::ifstream(e.path()) >> pid) pids.push_back(pid);
+    }
+    return pids;
+  }
+
+ private:
+  fs::path path_;
+};
+
+TEST(LaunchLocal, ThreeRanksSucceed_ExitZeroAndEveryLineCarriesItsRank) {
+  std::vector<Line> lines;
+  const LaunchResult result = LaunchLocal(Fake(3, "ok", &lines));
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_EQ(result.message, "");
+  ASSERT_EQ(result.pids.size(), 3u);
+  ASSERT_EQ(lines.size(), 6u);
+  std::string port_and_run;
+  for (int rank = 0; rank < 3; ++rank) {
+    int out = 0, err = 0;
+    for (const Line& line : lines) {
+      if (line.rank != rank) continue;
+      if (line.stream == Stream::kStdout) {
+        ++out;
+        const std::string head =
+            "hello from rank " + std::to_string(rank) + " of 3 via torchrun, master 127.0.0.1:";
+        ASSERT_TRUE(line.text.starts_with(head)) << line.text;
+        // Every rank got the same port and run id.
+        if (port_and_run.empty()) port_and_run = line.text.substr(head.size());
+        EXPECT_EQ(line.text.substr(head.size()), port_and_run);
+      } else {
+        ++err;
+        EXPECT_EQ(line.text, "warning from rank " + std::to_string(rank));
+      }
+    }
+    EXPECT_EQ(out, 1) << "rank " << rank;
+    EXPECT_EQ(err, 1) << "rank " << rank;
+  }
+  EXPECT_NE(port_and_run.find(", run local-"), std::string::npos) << port_and_run;
+  ExpectAllGone(result.pids);
+}
+
+TEST(LaunchLocal, DefaultSink_PrefixesLinesWithRank) {
+  // Run the launcher in a child whose stdout is a pipe, to see what a terminal would.
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::dup2(fds[1], STDOUT_FILENO);
+    ::close(fds[0]);
+    LaunchOptions options;
+    options.nproc = 2;
+    options.executable = CAI_FAKE_RANK;
+    options.args = {"ok"};
+    ::_exit(LaunchLocal(options).exit_code);
+  }
+  ::close(fds[1]);
+  std::string output;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(fds[0], buffer, sizeof(buffer))) > 0;) output.append(buffer, n);
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_NE(output.find("[rank 0] hello from rank 0 of 2"), std::string::npos) << output;
+  EXPECT_NE(output.find("[rank 1] hello from rank 1 of 2"), std::string::npos) << output;
+}
+
+TEST(LaunchLocal, OneRankExitsThree_LauncherFailsFastNamingItAndLeavesNoProcess) {
+  PidDir pid_dir;
+  std::vector<Line> lines;
+  LaunchOptions options = Fake(3, "rank1-exits-3", &lines);
+  options.env = {{"CAI_TEST_PID_DIR", pid_dir.path().string()}};
+  const auto start = Clock::now();
+  const LaunchResult result = LaunchLocal(options);
+  EXPECT_LT(Clock::now() - start, seconds(60));
+  EXPECT_EQ(result.exit_code, 3);
+  EXPECT_NE(result.message.find("rank 1 (pid " + std::to_string(result.pids[1]) +
+                                ") exited with status 3"),
+            std::string::npos)
+      << result.message;
+  EXPECT_NE(result.message.find("stopped 2 still-running ranks"), std::string::npos)
+      << result.message;
+  EXPECT_TRUE(WIFSIGNALED(result.wait_statuses[0]));
+  EXPECT_EQ(WTERMSIG(result.wait_statuses[0]), SIGTERM);
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0].rank, 1);
+  EXPECT_EQ(lines[0].text, "rank 1 giving up");
+  ExpectAllGone(result.pids);
+  ExpectAllGone(pid_dir.Pids());
+  EXPECT_EQ(pid_dir.Pids().size(), 3u);
+}
+
+TEST(LaunchLocal, RankIgnoringSigtermWithDeadPeer_IsKilledAfterGrace) {
+  std::vector<Line> lines;
+  const auto start = Clock::now();
+  const LaunchResult result = LaunchLocal(Fake(3, "rank0-ignores-term-rank1-exits-1", &lines));
+  const auto elapsed = Clock::now() - start;
+  EXPECT_LT(elapsed, seconds(60));
+  EXPECT_GE(elapsed, std::chrono::milliseconds(1000));  // the grace period was honoured
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_NE(result.message.find("rank 1 "), std::string::npos) << result.message;
+  EXPECT_NE(result.message.find("exited with status 1"), std::string::npos) << result.message;
+  ASSERT_TRUE(WIFSIGNALED(result.wait_statuses[0]));
+  EXPECT_EQ(WTERMSIG(result.wait_statuses[0]), SIGKILL);
+  EXPECT_EQ(WTERMSIG(result.wait_statuses[2]), SIGTERM);
+  ExpectAllGone(result.pids);
+}
+
+TEST(LaunchLocal, NprocBelowOne_IsAClearError) {
+  std::vector<Line> lines;
+  for (int n : {0, -2}) {
+    try {
+      LaunchLocal(Fake(n, "ok", &lines));
+      ADD_FAILURE() << "launched " << n << " ranks";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), CAI_INVALID_ARGUMENT);
+      EXPECT_EQ(std::string(e.what()), "--nproc must be at least 1, got " + std::to_string(n));
+    }
+  }
+  EXPECT_EQ(ParseNproc("4"), 4);
+  for (const char* bad : {"0", "-1", "two", "", "3x"}) {
+    try {
+      ParseNproc(bad);
+      ADD_FAILURE() << "parsed '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--nproc must be a whole number of ranks, at least 1"),
+                std::string::npos);
+    }
+  }
+}
+
+// Runs LaunchLocal(all-wait) in a child process; returns its pid once every rank is up.
+pid_t StartLauncherProcess(const PidDir& pid_dir, int nproc) {
+  const pid_t launcher = ::fork();
+  if (launcher == 0) {
+    LaunchOptions options;
+    options.nproc = nproc;
+    options.executable = CAI_FAKE_RANK;
+    options.args = {"all-wait"};
+    options.grace = std::chrono::milliseconds(1000);
+    options.env = {{"CAI_TEST_PID_DIR", pid_dir.path().string()}};
+    options.sink = [](int, Stream, std::string_view) {};
+    ::_exit(LaunchLocal(options).exit_code);
+  }
+  const auto deadline = Clock::now() + seconds(20);
+  while (pid_dir.Pids().size() < static_cast<size_t>(nproc) && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return launcher;
+}
+
+TEST(LaunchLocal, LauncherKilledBySigkill_ItsRanksDieWithIt) {
+  PidDir pid_dir;
+  const pid_t launcher = StartLauncherProcess(pid_dir, 2);
+  ASSERT_GT(launcher, 0);
+  const std::vector<pid_t> ranks = pid_dir.Pids();
+  ASSERT_EQ(ranks.size(), 2u);
+  ::kill(launcher, SIGKILL);
+  ::waitpid(launcher, nullptr, 0);
+  const auto deadline = Clock::now() + seconds(10);
+  bool all_gone = false;
+  while (!all_gone && Clock::now() < deadline) {
+    all_gone = Gone(ranks[0]) && Gone(ranks[1]);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(all_gone);
+}
+
+TEST(LaunchLocal, LauncherGetsSigterm_StopsRanksAndExits143) {
+  PidDir pid_dir;
+  const pid_t launcher = StartLauncherProcess(pid_dir, 2);
+  ASSERT_GT(launcher, 0);
+  const std::vector<pid_t> ranks = pid_dir.Pids();
+  ASSERT_EQ(ranks.size(), 2u);
+  ::kill(launcher, SIGTERM);
+  int status = 0;
+  ::waitpid(launcher, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM);
+  // The launcher reaped its ranks before exiting, so they are gone for good.
+  ExpectAllGone(ranks);
+}
+
+}  // namespace
+}  // namespace cai::launch

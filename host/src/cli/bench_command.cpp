@@ -1,0 +1,90 @@
+#include "cli/bench_command.h"
+
+#include <iostream>
+
+#include "comm/comm_bench.h"
+#include "comm/communicator.h"
+#include "core/log.h"
+#include "core/status.h"
+#include "launch/local_launcher.h"
+
+namespace cai {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: cai bench comm [--nproc N] [--min-bytes B] [--max-bytes B] [--factor F]\n"
+    "  Times every collective over sizes from --min-bytes (default 4K) to --max-bytes (256M),\n"
+    "  multiplying by --factor (4), on N ranks (2) of this machine or as the rank the\n"
+    "  environment names (torchrun / SLURM / Open MPI variables), and prints nccl-tests'\n"
+    "  table: time, algorithm bandwidth and bus bandwidth. Sizes take K, M or G suffixes.\n";
+
+size_t ParseBytes(const std::string& text) {
+  size_t pos = 0;
+  size_t value = 0;
+  try {
+    value = std::stoull(text, &pos);
+  } catch (const std::exception&) {
+    throw Error(CAI_INVALID_ARGUMENT, "'" + text + "' is not a size (e.g. 4K, 64M)");
+  }
+  const std::string unit = text.substr(pos);
+  if (unit.empty()) return value;
+  if (unit == "K" || unit == "KiB") return value << 10;
+  if (unit == "M" || unit == "MiB") return value << 20;
+  if (unit == "G" || unit == "GiB") return value << 30;
+  throw Error(CAI_INVALID_ARGUMENT, "unknown size unit '" + unit + "' in '" + text +
+                                        "' (use K, M or G)");
+}
+
+}  // namespace
+
+int RunBenchCommand(const GlobalOptions&, std::span<const std::string> args) {
+  if (args.empty() || args[0] != "comm") {
+    throw Error(CAI_INVALID_ARGUMENT, std::string("cai bench takes 'comm'\n") + kUsage);
+  }
+  launch::LaunchOptions launch;
+  launch.nproc = 2;
+  CommBenchOptions bench;
+  launch.args = {"bench", "comm"};
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::cout << kUsage;
+      return 0;
+    }
+    if (i + 1 >= args.size()) throw Error(CAI_INVALID_ARGUMENT, a + " needs a value\n" + kUsage);
+    const std::string& value = args[++i];
+    if (a == "--nproc") {
+      launch.nproc = launch::ParseNproc(value);
+      continue;
+    } else if (a == "--min-bytes") {
+      bench.min_bytes = ParseBytes(value);
+    } else if (a == "--max-bytes") {
+      bench.max_bytes = ParseBytes(value);
+    } else if (a == "--factor") {
+      bench.factor = ParseBytes(value);
+      if (bench.factor < 2) throw Error(CAI_INVALID_ARGUMENT, "--factor must be at least 2");
+    } else {
+      throw Error(CAI_INVALID_ARGUMENT, "unknown option '" + a + "'\n" + kUsage);
+    }
+    launch.args.push_back(a);
+    launch.args.push_back(value);
+  }
+  if (bench.min_bytes == 0 || bench.min_bytes > bench.max_bytes) {
+    throw Error(CAI_INVALID_ARGUMENT, "--min-bytes must be positive and at most --max-bytes");
+  }
+  launch.env.emplace_back("CAI_LAUNCHER", "local");
+  return launch::RunOrLaunch(launch, [&](const launch::RankEnv& env) {
+    InitLogging(env.rank, CAI_LOG_WARN, std::getenv("CAI_LAUNCHER") == nullptr);
+    CommOptions comm;
+    comm.rank = env.rank;
+    comm.world_size = env.world_size;
+    comm.master_addr = env.master_addr;
+    comm.master_port = env.master_port;
+    Communicator::Init(comm);
+    const int code = RunCommBenchmark(bench, std::cout);
+    Communicator::Shutdown();
+    return code;
+  });
+}
+
+}  // namespace cai

@@ -1,0 +1,309 @@
+#include "train/job.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "cai/sdk.hpp"
+#include "core/status.h"
+#include "core/strings.h"
+
+namespace cai {
+namespace {
+
+using sdk::BoolKey;
+using sdk::FloatKey;
+using sdk::IntKey;
+using sdk::StringKey;
+constexpr uint64_t kMin = CAI_CONFIG_HAS_MIN;
+constexpr uint64_t kMinMax = CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX;
+
+const char* const kModelKinds[] = {"gpt2", "llama", "torchscript", nullptr};
+const char* const kOptimKinds[] = {"adamw", "adam", "sgd", nullptr};
+const char* const kSources[] = {"default", "tokens", "text", nullptr};
+const char* const kPrecisions[] = {"fp32", "bf16", "fp16", nullptr};
+const char* const kBackends[] = {"gloo", "nccl", nullptr};
+
+const cai_config_key kModelKeys[] = {
+    StringKey("kind", "\"gpt2\"", "Model: gpt2 or llama from the zoo, or a torchscript file.",
+              kModelKinds),
+    StringKey("path", "\"\"", "TorchScript file (model.kind = \"torchscript\"): forward(tokens "
+                              "int64 [B,T]) -> logits [B,T,V]."),
+    IntKey("vocab_size", "256", "Vocabulary size (256: the byte-level tokenizer).", 2, 0, kMin),
+    IntKey("n_ctx", "128", "Longest sequence the model accepts.", 1, 0, kMin),
+    IntKey("n_layer", "4", "Transformer blocks.", 1, 0, kMin),
+    IntKey("n_head", "4", "Attention heads.", 1, 0, kMin),
+    IntKey("n_kv_head", "0", "Key/value heads for Llama grouped-query attention (0 = n_head).", 0,
+           0, kMin),
+    IntKey("n_embd", "128", "Hidden size.", 1, 0, kMin),
+    IntKey("ffn_hidden", "0", "MLP hidden size (0 = 4*n_embd for GPT-2, 8/3*n_embd for Llama).",
+           0, 0, kMin),
+    BoolKey("bias", "true", "Biases in linear layers (and GPT-2's LayerNorm)."),
+    BoolKey("activation_checkpointing", "false",
+            "Recompute each block's forward during backward to save activation memory."),
+    StringKey("freeze", "\"\"",
+              "Comma-separated parameter-name patterns ('*' wildcard) that do not train."),
+    BoolKey("unused_parameter", "false",
+            "Add a parameter that forward never reads (checks a strategy's unused-parameter "
+            "handling)."),
+};
+
+const cai_config_key kOptimizerKeys[] = {
+    StringKey("kind", "\"adamw\"", "adamw, adam or sgd.", kOptimKinds),
+    FloatKey("lr", "0.001", "Peak learning rate.", 0, 0, kMin),
+    FloatKey("weight_decay", "0.1", "Weight decay of matrices and embeddings (group 0).", 0, 0,
+             kMin),
+    FloatKey("beta1", "0.9", "Adam beta1.", 0, 1, kMinMax),
+    FloatKey("beta2", "0.95", "Adam beta2.", 0, 1, kMinMax),
+    FloatKey("eps", "1e-8", "Adam epsilon.", 0, 0, kMin),
+    FloatKey("momentum", "0.0", "SGD momentum.", 0, 0, kMin),
+    FloatKey("dampening", "0.0", "SGD dampening.", 0, 0, kMin),
+    BoolKey("nesterov", "false", "SGD Nesterov momentum."),
+    FloatKey("no_decay_lr", "0.0",
+             "Learning rate of group 1 (biases and norm weights); 0 = the same as lr.", 0, 0,
+             kMin),
+    FloatKey("no_decay_weight_decay", "0.0", "Weight decay of group 1.", 0, 0, kMin),
+    FloatKey("max_grad_norm", "1.0", "Clip gradients to this global L2 norm (0 = no clipping).",
+             0, 0, kMin),
+    IntKey("warmup_steps", "0", "Linear learning-rate warmup steps.", 0, 0, kMin),
+    FloatKey("min_lr_ratio", "0.1", "Cosine decay ends at this fraction of lr.", 0, 1, kMinMax),
+    IntKey("decay_steps", "0", "Step at which the cosine decay ends (0 = train.steps).", 0, 0,
+           kMin),
+};
+
+const cai_config_key kDataKeys[] = {
+    StringKey("source", "\"default\"",
+              "default (the embedded corpus), tokens (a uint16 .bin file) or text (a UTF-8 file "
+              "read through the byte-level tokenizer).",
+              kSources),
+    StringKey("path", "\"\"", "File for source = tokens or text."),
+    FloatKey("eval_fraction", "0.05", "Tail of the token stream held out for evaluation.", 0,
+             0.5, kMinMax),
+};
+
+const cai_config_key kTrainKeys[] = {
+    IntKey("steps", "100", "Optimizer steps.", 1, 0, kMin),
+    IntKey("global_batch", "16", "Sequences per optimizer step over all ranks.", 1, 0, kMin),
+    IntKey("grad_accum", "1",
+           "Micro-batches per step on every rank (gradient accumulation; communication only on "
+           "the last where the strategy supports no_sync).",
+           1, 0, kMin),
+    IntKey("seq_len", "64", "Tokens per sequence.", 1, 0, kMin),
+    StringKey("precision", "\"fp32\"", "Compute precision: fp32, bf16 or fp16.", kPrecisions),
+    IntKey("seed", "1234", "Seed of the initial weights and of the data order.", 0, 0, kMin),
+    IntKey("eval_every", "50", "Evaluate every this many steps (0 = only at the end).", 0, 0,
+           kMin),
+    IntKey("eval_batches", "4", "Global batches per evaluation.", 1, 0, kMin),
+    IntKey("log_every", "10", "Log a line every this many steps (without a terminal).", 1, 0,
+           kMin),
+    IntKey("threads", "0", "Compute threads per rank (0 = cores / ranks, at least 1).", 0, 0,
+           kMin),
+};
+
+const cai_config_key kCheckpointKeys[] = {
+    IntKey("every", "0", "Save a checkpoint every this many steps (0 = never).", 0, 0, kMin),
+    BoolKey("at_end", "true", "Save a checkpoint after the last step."),
+    BoolKey("resume", "false",
+            "Resume from the latest complete checkpoint of the run directory, if there is one."),
+};
+
+const cai_config_key kLaunchKeys[] = {
+    IntKey("nproc", "1", "Ranks to start on this machine (--nproc overrides).", 1, 0, kMin),
+    StringKey("backend", "\"gloo\"", "Collective backend: gloo (CPU) or nccl (CUDA).",
+              kBackends),
+    StringKey("master_addr", "\"127.0.0.1\"", "Address of rank 0's rendezvous store."),
+    IntKey("master_port", "0", "Port of the rendezvous store (0 = a free port).", 0, 65535,
+           kMinMax),
+    IntKey("timeout_s", "300",
+           "Seconds a collective or the rendezvous may take before the job fails.", 1, 0, kMin),
+};
+
+template <size_t N>
+std::vector<ConfigKey> Schema(const cai_config_key (&keys)[N], const char* section) {
+  return ReadSchema(keys, N, std::string("job schema [") + section + "]");
+}
+
+// Inserts `value` at the dotted `path` of `root`, creating tables on the way.
+template <class Node>
+void SetAt(toml::table& root, const std::string& path, Node&& value, const std::string& what) {
+  std::vector<std::string> parts;
+  std::stringstream in(path);
+  std::string part;
+  while (std::getline(in, part, '.')) parts.push_back(part);
+  const bool empty_part = std::any_of(parts.begin(), parts.end(), [](auto& p) { return p.empty(); });
+  if (parts.size() < 2 || empty_part) {
+    throw Error(CAI_INVALID_ARGUMENT, what + ": '" + path + "' is not a section.key path "
+                                             "(e.g. --set train.steps=20)");
+  }
+  toml::table* table = &root;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    toml::node* next = table->get(parts[i]);
+    if (!next) {
+      table->insert(parts[i], toml::table{});
+      next = table->get(parts[i]);
+    }
+    if (!next->is_table()) {
+      throw Error(CAI_INVALID_ARGUMENT, what + ": '" + parts[i] + "' in '" + path +
+                                               "' is a value, not a table");
+    }
+    table = next->as_table();
+  }
+  table->insert_or_assign(parts.back(), std::forward<Node>(value));
+}
+
+void ApplySet(toml::table& root, const std::string& assignment) {
+  const std::string what = "--set " + assignment;
+  size_t eq = assignment.find('=');
+  if (eq == std::string::npos) {
+    throw Error(CAI_INVALID_ARGUMENT, what + ": expected key=value (e.g. --set train.steps=20)");
+  }
+  std::string key = assignment.substr(0, eq);
+  std::string value = assignment.substr(eq + 1);
+  toml::table parsed;
+  try {
+    parsed = toml::parse("v = " + value);
+  } catch (const toml::parse_error&) {
+  }
+  if (toml::node* v = parsed.get("v")) {
+    v->visit([&](auto& typed) { SetAt(root, key, std::move(typed), what); });
+  } else {
+    SetAt(root, key, toml::value<std::string>(value), what);  // a bare word: a string
+  }
+}
+
+void AppendSection(std::ostringstream& out, const std::string& name, const cai_config& config) {
+  toml::table table;
+  for (const auto& [key, v] : config.values) {
+    switch (v.type) {
+      case CAI_CONFIG_BOOL: table.insert(key, v.b); break;
+      case CAI_CONFIG_INT: table.insert(key, v.i); break;
+      case CAI_CONFIG_FLOAT: table.insert(key, v.f); break;
+      default: table.insert(key, v.s); break;
+    }
+  }
+  out << "[" << name << "]\n" << table << "\n\n";
+}
+
+}  // namespace
+
+const std::vector<std::pair<std::string, std::vector<ConfigKey>>>& JobSchema() {
+  static const auto* schema = new std::vector<std::pair<std::string, std::vector<ConfigKey>>>{
+      {"model", Schema(kModelKeys, "model")},
+      {"optimizer", Schema(kOptimizerKeys, "optimizer")},
+      {"data", Schema(kDataKeys, "data")},
+      {"train", Schema(kTrainKeys, "train")},
+      {"checkpoint", Schema(kCheckpointKeys, "checkpoint")},
+      {"launch", Schema(kLaunchKeys, "launch")},
+  };
+  return *schema;
+}
+
+JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::string>& sets) {
+  JobConfig job;
+  job.file = file;
+  const std::string where = file.empty() ? std::string("job") : file.string();
+  toml::table root;
+  if (!file.empty()) {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(file, ec)) {
+      throw Error(CAI_NOT_FOUND, where + ": job file not found; see examples/ for job files");
+    }
+    try {
+      root = toml::parse_file(file.string());
+    } catch (const toml::parse_error& e) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  where + ": malformed TOML at line " + std::to_string(e.source().begin.line) +
+                      ", column " + std::to_string(e.source().begin.column) + ": " +
+                      std::string(e.description()));
+    }
+  }
+  for (const std::string& set : sets) ApplySet(root, set);
+
+  std::vector<std::string_view> sections = {"plugin"};
+  for (const auto& [name, keys] : JobSchema()) sections.push_back(name);
+  for (const auto& [name, node] : root) {
+    if (std::find(sections.begin(), sections.end(), name.str()) == sections.end()) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  where + ": unknown section '" + std::string(name.str()) + "' (line " +
+                      std::to_string(node.source().begin.line) + ")." +
+                      DidYouMean(name.str(), sections) + " Sections: " + Join(sections) + ".");
+    }
+    if (!node.is_table()) {
+      throw Error(CAI_INVALID_ARGUMENT, where + ": '" + std::string(name.str()) +
+                                            "' must be a table ([" + std::string(name.str()) +
+                                            "])");
+    }
+  }
+
+  std::ostringstream resolved;
+  job.plugin = "none";
+  std::vector<std::string_view> plugin_keys = {"name"};
+  if (const toml::table* plugin = root["plugin"].as_table()) {
+    for (const auto& [key, node] : *plugin) {
+      if (key.str() == "name") {
+        if (!node.is_string()) {
+          throw Error(CAI_INVALID_ARGUMENT, where + ": key 'plugin.name' (line " +
+                                                std::to_string(node.source().begin.line) +
+                                                ") must be a string: a plugin name, \"none\" "
+                                                "or \"auto\"");
+        }
+        job.plugin = *node.value<std::string>();
+      } else if (!node.is_table()) {
+        throw Error(CAI_INVALID_ARGUMENT,
+                    where + ": unknown key 'plugin." + std::string(key.str()) + "' (line " +
+                        std::to_string(node.source().begin.line) + ")." +
+                        DidYouMean(key.str(), plugin_keys) +
+                        " [plugin] takes 'name'; a strategy's options go in [plugin.<name>]");
+      }
+    }
+    if (const toml::table* options = (*plugin)[job.plugin].as_table()) {
+      std::ostringstream text;
+      text << *options;
+      job.plugin_table_toml = text.str();
+    }
+  }
+  resolved << "[plugin]\nname = \"" << job.plugin << "\"\n\n";
+
+  for (const auto& [name, schema] : JobSchema()) {
+    const toml::table* table = root[name].as_table();
+    auto config = ValidateConfig(schema, table, "[" + name + "] in " + where);
+    AppendSection(resolved, name, *config);
+    if (name == "model") job.model = std::move(config);
+    else if (name == "optimizer") job.optimizer = std::move(config);
+    else if (name == "data") job.data = std::move(config);
+    else if (name == "train") job.train = std::move(config);
+    else if (name == "checkpoint") job.checkpoint = std::move(config);
+    else job.launch = std::move(config);
+  }
+  job.resolved_toml = resolved.str();
+  return job;
+}
+
+std::unique_ptr<cai_config> ResolvePluginConfig(JobConfig& job,
+                                                const std::vector<ConfigKey>& schema) {
+  toml::table table;
+  if (!job.plugin_table_toml.empty()) table = toml::parse(job.plugin_table_toml);
+  const std::string where = "[plugin." + job.plugin + "] in " +
+                            (job.file.empty() ? std::string("job") : job.file.string());
+  auto config = ValidateConfig(schema, &table, where);
+  std::ostringstream out;
+  AppendSection(out, "plugin." + job.plugin, *config);
+  job.resolved_toml += out.str();
+  return config;
+}
+
+namespace {
+const cai_config::Value& Lookup(const cai_config& c, const char* key) {
+  auto it = c.values.find(std::string_view(key));
+  if (it == c.values.end()) throw Error(CAI_INTERNAL, std::string("job key '") + key + "' missing");
+  return it->second;
+}
+}  // namespace
+
+bool GetBool(const cai_config& c, const char* key) { return Lookup(c, key).b; }
+int64_t GetInt(const cai_config& c, const char* key) { return Lookup(c, key).i; }
+double GetFloat(const cai_config& c, const char* key) { return Lookup(c, key).f; }
+const std::string& GetString(const cai_config& c, const char* key) { return Lookup(c, key).s; }
+
+}  // namespace cai

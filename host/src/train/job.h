@@ -1,0 +1,47 @@
+// The training job: a TOML file (DESIGN.md, "The command line contract") whose every key has a
+// documented default, overridden by `--set key=value`, validated section by section against
+// the same schema machinery plugins use, and printed/saved resolved.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cai/optimizer.h"
+#include "loader/config.h"
+
+namespace cai {
+
+struct JobConfig {
+  std::filesystem::path file;   // the job file as given ("" for none)
+  std::string resolved_toml;    // every section with defaults filled, for config.resolved.toml
+
+  // Validated sections; read them with the Get* helpers below.
+  std::unique_ptr<cai_config> model, optimizer, data, train, checkpoint, launch;
+
+  std::string plugin;           // plugin.name: "none", "auto" or an installed plugin
+  // The raw [plugin.<name>] table of the chosen plugin as TOML text ("" if absent); validated
+  // against the plugin's own schema once the plugin is loaded.
+  std::string plugin_table_toml;
+};
+
+// The job schema: the documented keys of each section, for `cai train --help-keys` and docs.
+const std::vector<std::pair<std::string, std::vector<ConfigKey>>>& JobSchema();
+
+// Reads `file` (may be empty: all defaults) and applies `sets` ("section.key=value"; the value
+// is a TOML literal, or taken as a string when it is not one). Throws cai::Error naming the
+// file, the key and what to do: malformed TOML, unknown section or key (nearest valid named),
+// wrong type or range.
+JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::string>& sets);
+
+// Validates the chosen plugin's table against its schema (the nearest valid key is named for
+// an unknown one) and appends it to resolved_toml.
+std::unique_ptr<cai_config> ResolvePluginConfig(JobConfig& job, const std::vector<ConfigKey>& schema);
+
+bool GetBool(const cai_config& c, const char* key);
+int64_t GetInt(const cai_config& c, const char* key);
+double GetFloat(const cai_config& c, const char* key);
+const std::string& GetString(const cai_config& c, const char* key);
+
+}  // namespace cai

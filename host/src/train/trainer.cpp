@@ -1,0 +1,703 @@
+#include "train/trainer.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "checkpoint/checkpoint.h"
+#include "services/host_table.h"
+#include "comm/comm_api.h"
+#include "comm/communicator.h"
+#include "core/json.h"
+#include "core/log.h"
+#include "core/status.h"
+#include "core/strings.h"
+#include "data/default_corpus.h"
+#include "data/sampler.h"
+#include "data/token_file.h"
+#include "data/tokenizer.h"
+#include "launch/local_launcher.h"
+#include "launch/rank_env.h"
+#include "loader/registry.h"
+#include "mem/mem_api.h"
+#include "model/model.h"
+#include "optim/optimizer.h"
+#include "train/job.h"
+#include "train/plan.h"
+#include "train/reference_strategy.h"
+#include "train/runtime.h"
+
+namespace cai {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+const char* const kOpNames[CAI_COMM_NUM_OPS] = {"all_reduce", "reduce_scatter", "all_gather",
+                                                "broadcast",  "reduce",         "all_to_all",
+                                                "send",       "recv",           "barrier"};
+const char* const kTierNames[CAI_MEM_NUM_TIERS] = {"device", "pinned_host", "host", "nvme"};
+
+fs::path DefaultRunDir(const fs::path& job_file) {
+  std::time_t now = std::time(nullptr);
+  char stamp[32];
+  std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&now));
+  std::string stem = job_file.empty() ? "job" : job_file.stem().string();
+  return fs::path("runs") / (stem + "-" + stamp);
+}
+
+cai_precision ParsePrecision(const std::string& p) {
+  return p == "bf16" ? CAI_PRECISION_BF16 : p == "fp16" ? CAI_PRECISION_FP16 : CAI_PRECISION_FP32;
+}
+
+uint64_t PrecisionCapability(cai_precision p) {
+  return p == CAI_PRECISION_BF16   ? CAI_CAP_PRECISION_BF16
+         : p == CAI_PRECISION_FP16 ? CAI_CAP_PRECISION_FP16
+                                   : CAI_CAP_PRECISION_FP32;
+}
+
+// The strategy table to drive, with its schema.
+struct Strategy {
+  std::string name;
+  const cai_plugin_api* api = nullptr;
+  std::vector<ConfigKey> schema;
+};
+
+Strategy SelectStrategy(const std::string& name, const std::vector<fs::path>& plugin_paths,
+                        const cai_host_api* host) {
+  Strategy s;
+  s.name = name;
+  if (name == "none") {
+    s.api = ReferenceStrategy(host);
+    s.schema = ReadSchema(s.api->config_keys, s.api->num_config_keys, "strategy 'none'");
+    return s;
+  }
+  std::vector<PluginRecord> records = DiscoverPlugins(PluginSearchPath(plugin_paths));
+  std::vector<std::string_view> names = {"none"};
+  for (const PluginRecord& r : records) {
+    if (!r.error.empty()) continue;
+    names.push_back(r.manifest.name);
+    if (r.manifest.name == name) {
+      const LoadedPlugin& plugin = LoadPlugin(r.manifest, host);
+      s.api = plugin.api;
+      s.schema = plugin.schema;
+      return s;
+    }
+  }
+  for (const PluginRecord& r : records) {
+    if (!r.error.empty() && r.manifest.name == name) throw Error(CAI_FAILED_PRECONDITION, r.error);
+  }
+  throw Error(CAI_NOT_FOUND, "plugin.name = \"" + name + "\": no such strategy." +
+                                 DidYouMean(name, names) + " Available: " + Join(names) +
+                                 ". `cai plugins list` shows where cai looked");
+}
+
+std::unique_ptr<Model> BuildModel(const JobConfig& job, uint64_t seed) {
+  const cai_config& m = *job.model;
+  const std::string& kind = GetString(m, "kind");
+  ParamOptions options;
+  std::stringstream patterns(GetString(m, "freeze"));
+  for (std::string pattern; std::getline(patterns, pattern, ',');) {
+    pattern.erase(0, pattern.find_first_not_of(' '));
+    pattern.erase(pattern.find_last_not_of(' ') + 1);
+    if (!pattern.empty()) options.frozen.push_back(pattern);
+  }
+  options.unused_parameter = GetBool(m, "unused_parameter");
+  if (kind == "torchscript") {
+    const std::string& path = GetString(m, "path");
+    if (path.empty()) {
+      throw Error(CAI_INVALID_ARGUMENT, "[model] kind = \"torchscript\" needs model.path, the "
+                                        "TorchScript file to train");
+    }
+    if (!fs::is_regular_file(path)) {
+      throw Error(CAI_NOT_FOUND, "model.path: TorchScript file '" + path + "' not found");
+    }
+    return LoadTorchScriptModel(path, options);
+  }
+  ModelConfig config;
+  config.arch = kind == "llama" ? ModelConfig::Arch::kLlama : ModelConfig::Arch::kGpt2;
+  config.vocab_size = GetInt(m, "vocab_size");
+  config.n_ctx = GetInt(m, "n_ctx");
+  config.n_layer = GetInt(m, "n_layer");
+  config.n_head = GetInt(m, "n_head");
+  config.n_kv_head = GetInt(m, "n_kv_head");
+  config.n_embd = GetInt(m, "n_embd");
+  config.ffn_hidden = GetInt(m, "ffn_hidden");
+  config.bias = GetBool(m, "bias");
+  auto model = MakeZooModel(config, seed, options);
+  model->SetActivationCheckpointing(GetBool(m, "activation_checkpointing"));
+  return model;
+}
+
+std::unique_ptr<Optimizer> BuildOptimizer(const JobConfig& job) {
+  const cai_config& o = *job.optimizer;
+  const std::string& kind = GetString(o, "kind");
+  GroupHyper hyper;
+  hyper.lr = GetFloat(o, "lr");
+  hyper.weight_decay = GetFloat(o, "weight_decay");
+  hyper.beta1 = GetFloat(o, "beta1");
+  hyper.beta2 = GetFloat(o, "beta2");
+  hyper.eps = GetFloat(o, "eps");
+  hyper.momentum = GetFloat(o, "momentum");
+  hyper.dampening = GetFloat(o, "dampening");
+  hyper.nesterov = GetBool(o, "nesterov");
+  std::vector<GroupHyper> groups = DefaultParamGroups(hyper);
+  if (double lr = GetFloat(o, "no_decay_lr"); lr > 0) groups[1].lr = lr;
+  groups[1].weight_decay = GetFloat(o, "no_decay_weight_decay");
+  LrSchedule schedule;
+  schedule.warmup_steps = GetInt(o, "warmup_steps");
+  const int64_t decay = GetInt(o, "decay_steps");
+  schedule.total_steps = decay > 0 ? decay : GetInt(*job.train, "steps");
+  schedule.min_lr_ratio = GetFloat(o, "min_lr_ratio");
+  cai_optim_kind k = kind == "adam" ? CAI_OPTIM_ADAM : kind == "sgd" ? CAI_OPTIM_SGD : CAI_OPTIM_ADAMW;
+  return std::make_unique<Optimizer>(k, groups, schedule, GetFloat(o, "max_grad_norm"));
+}
+
+std::vector<data::Token> LoadTokens(const JobConfig& job, int64_t vocab_size) {
+  const std::string& source = GetString(*job.data, "source");
+  const std::string& path = GetString(*job.data, "path");
+  if (source != "default" && path.empty()) {
+    throw Error(CAI_INVALID_ARGUMENT, "[data] source = \"" + source + "\" needs data.path");
+  }
+  if (source == "tokens") {
+    data::TokenFile file = data::TokenFile::Open(path, static_cast<int>(vocab_size));
+    return std::vector<data::Token>(file.tokens().begin(), file.tokens().end());
+  }
+  if (vocab_size < 256) {
+    throw Error(CAI_INVALID_ARGUMENT,
+                "model.vocab_size = " + std::to_string(vocab_size) + " is below 256, but data "
+                "source '" + source + "' is byte-level text (ids 0..255); set model.vocab_size "
+                ">= 256");
+  }
+  if (source == "default") return data::DefaultCorpusTokens();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(CAI_NOT_FOUND, "data.path: text file '" + path + "' not found");
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  return data::ByteTokenizer().Encode(text);
+}
+
+// A [rows, T] int64 descriptor over a batch's vector.
+struct BatchTensors {
+  int64_t shape[2];
+  int64_t strides[2];
+  cai_tensor tokens, targets;
+  explicit BatchTensors(data::Batch& b) : shape{b.rows, b.seq_len}, strides{b.seq_len, 1} {
+    tokens = {b.tokens.data(), {CAI_DEVICE_CPU, 0}, 2, {CAI_DTYPE_INT, 64, 1}, shape, strides, 0};
+    targets = {b.targets.data(), {CAI_DEVICE_CPU, 0}, 2, {CAI_DTYPE_INT, 64, 1}, shape, strides, 0};
+  }
+};
+
+// This rank's rows of a global batch, cut into `accum` micro-batches of near-equal size.
+std::vector<std::vector<int64_t>> RankChunks(const std::vector<int64_t>& starts, int rank,
+                                             int world, int64_t accum) {
+  data::RankShare share = data::ShareOfRank(static_cast<int64_t>(starts.size()), rank, world);
+  if (share.count < accum) {
+    throw Error(CAI_INVALID_ARGUMENT,
+                "rank " + std::to_string(rank) + " holds " + std::to_string(share.count) +
+                    " sequences of the global batch but train.grad_accum = " +
+                    std::to_string(accum) + "; raise train.global_batch to at least " +
+                    std::to_string(accum * world) + " or lower train.grad_accum");
+  }
+  std::vector<std::vector<int64_t>> chunks(accum);
+  for (int64_t i = 0; i < accum; ++i) {
+    int64_t begin = share.first + share.count * i / accum;
+    int64_t end = share.first + share.count * (i + 1) / accum;
+    chunks[i].assign(starts.begin() + begin, starts.begin() + end);
+  }
+  return chunks;
+}
+
+uint64_t PeakRssBytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<uint64_t>(usage.ru_maxrss) * 1024;
+}
+
+std::string FormatDuration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  int s = static_cast<int>(seconds + 0.5);
+  std::ostringstream os;
+  if (s >= 3600) os << s / 3600 << "h";
+  if (s >= 60) os << (s / 60) % 60 << "m";
+  os << s % 60 << "s";
+  return os.str();
+}
+
+class Run {
+ public:
+  Run(const TrainOptions& options, JobConfig job, const launch::RankEnv& env, fs::path run_dir)
+      : options_(options), job_(std::move(job)), env_(env), run_dir_(std::move(run_dir)) {}
+
+  int Execute();
+
+ private:
+  void Setup();
+  void ChooseAuto();
+  double SumOverRanks(double value);
+  void Barrier();
+  double Evaluate();
+  void SaveCheckpoint(int64_t step);
+  void WriteSummary(double wall_s);
+  void Report(int64_t step, double loss, const cai_step_result& result, double step_s);
+  cai_comm_counters Counters();
+
+  const TrainOptions& options_;
+  JobConfig job_;
+  launch::RankEnv env_;
+  fs::path run_dir_;
+  const cai_host_api* host_ = nullptr;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Optimizer> optimizer_;
+  Strategy strategy_;
+  std::unique_ptr<cai_config> plugin_config_;
+  cai_strategy* instance_ = nullptr;
+  std::vector<data::Token> tokens_;
+  std::unique_ptr<data::WindowSampler> train_sampler_, eval_sampler_;
+  int64_t steps_ = 0, global_batch_ = 0, seq_len_ = 0, accum_ = 1, start_step_ = 0;
+  cai_precision precision_ = CAI_PRECISION_FP32;
+  std::ofstream metrics_;
+  bool progress_bar_ = false;
+  std::vector<double> step_times_;
+  std::vector<uint64_t> bytes_per_step_ = std::vector<uint64_t>(CAI_COMM_NUM_OPS);
+  double last_loss_ = NAN, last_eval_ = NAN;
+  Clock::time_point loop_start_;
+};
+
+cai_comm_counters Run::Counters() {
+  cai_comm_counters c{};
+  c.struct_size = CAI_COMM_COUNTERS_STRUCT_SIZE;
+  ThrowIfError(CommApi()->counters(nullptr, &c));
+  return c;
+}
+
+double Run::SumOverRanks(double value) {
+  if (env_.world_size == 1) return value;
+  int64_t one = 1, stride = 1;
+  cai_tensor t{&value, {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_FLOAT, 64, 1}, &one, &stride, 0};
+  cai_comm_args args{};
+  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+  args.op = CAI_COMM_ALL_REDUCE;
+  args.reduce_op = CAI_REDUCE_SUM;
+  args.output = &t;
+  ThrowIfError(CommApi()->run(&args, nullptr));
+  return value;
+}
+
+void Run::Barrier() {
+  cai_comm_args args{};
+  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+  args.op = CAI_COMM_BARRIER;
+  ThrowIfError(CommApi()->run(&args, nullptr));
+}
+
+// Rank 0 decides and tells the others, so ranks on machines of different sizes agree.
+void Run::ChooseAuto() {
+  std::vector<uint8_t> name(256, 0);
+  if (env_.rank == 0) {
+    Plan plan = MakePlan(job_, env_.world_size, options_.plugin_paths, host_);
+    Log(CAI_LOG_INFO, "", "plugin.name = \"auto\" chose '" + plan.choice + "': " + plan.reason);
+    std::copy(plan.choice.begin(), plan.choice.end(), name.begin());
+  }
+  if (env_.world_size > 1) {
+    int64_t n = static_cast<int64_t>(name.size()), stride = 1;
+    cai_tensor t{name.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_UINT, 8, 1}, &n, &stride, 0};
+    cai_comm_args args{};
+    args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+    args.op = CAI_COMM_BROADCAST;
+    args.output = &t;
+    args.root = 0;
+    ThrowIfError(CommApi()->run(&args, nullptr));
+  }
+  job_.plugin = reinterpret_cast<const char*>(name.data());
+}
+
+void Run::Setup() {
+  const cai_config& train = *job_.train;
+  steps_ = GetInt(train, "steps");
+  global_batch_ = GetInt(train, "global_batch");
+  seq_len_ = GetInt(train, "seq_len");
+  accum_ = GetInt(train, "grad_accum");
+  precision_ = ParsePrecision(GetString(train, "precision"));
+  const uint64_t seed = static_cast<uint64_t>(GetInt(train, "seed"));
+
+  int threads = static_cast<int>(GetInt(train, "threads"));
+  if (threads == 0) {
+    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / env_.world_size);
+  }
+  SetComputeThreads(threads);
+
+  host_ = HostServicesTable();
+  if (job_.plugin == "auto") ChooseAuto();
+  strategy_ = SelectStrategy(job_.plugin, options_.plugin_paths, host_);
+  plugin_config_ = ResolvePluginConfig(job_, strategy_.schema);
+  if (!(strategy_.api->capabilities & PrecisionCapability(precision_))) {
+    throw Error(CAI_FAILED_PRECONDITION,
+                "strategy '" + strategy_.name + "' does not train in " +
+                    GetString(train, "precision") + "; see `cai plugins info " + strategy_.name +
+                    "` for its precisions, or set train.precision");
+  }
+  if (GetString(*job_.launch, "backend") == "nccl") {
+    throw Error(CAI_UNIMPLEMENTED, "launch.backend = \"nccl\" needs CUDA devices, and this cai "
+                                   "host trains on the CPU; use \"gloo\"");
+  }
+
+  model_ = BuildModel(job_, seed);
+  const cai_config& m = *job_.model;
+  if (GetString(m, "kind") != "torchscript" && seq_len_ > GetInt(m, "n_ctx")) {
+    throw Error(CAI_INVALID_ARGUMENT, "train.seq_len = " + std::to_string(seq_len_) +
+                                          " exceeds model.n_ctx = " +
+                                          std::to_string(GetInt(m, "n_ctx")));
+  }
+  optimizer_ = BuildOptimizer(job_);
+
+  tokens_ = LoadTokens(job_, GetInt(m, "vocab_size"));
+  data::TokenSplit split = data::SplitTokens(tokens_, GetFloat(*job_.data, "eval_fraction"));
+  train_sampler_ = std::make_unique<data::WindowSampler>(
+      split.train, data::SamplerOptions{seq_len_, global_batch_, seed, true});
+  if (!split.eval.empty()) {
+    if (static_cast<int64_t>(split.eval.size()) <= seq_len_) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "the evaluation split holds " + std::to_string(split.eval.size()) +
+                      " tokens, fewer than train.seq_len + 1; raise data.eval_fraction, give "
+                      "more data, or set data.eval_fraction = 0");
+    }
+    eval_sampler_ = std::make_unique<data::WindowSampler>(
+        split.eval, data::SamplerOptions{seq_len_, global_batch_, seed, false});
+  }
+  // Fail before any work if the batch cannot be split as asked.
+  RankChunks(train_sampler_->GlobalBatchStarts(0), env_.rank, env_.world_size, accum_);
+
+  cai_create_args create{};
+  create.struct_size = CAI_CREATE_ARGS_STRUCT_SIZE;
+  create.config = plugin_config_.get();
+  create.rank = env_.rank;
+  create.world_size = env_.world_size;
+  ThrowIfError(strategy_.api->create(&create, &instance_));
+  cai_boost_args boost{};
+  boost.struct_size = CAI_BOOST_ARGS_STRUCT_SIZE;
+  boost.model = AsHandle(model_.get());
+  boost.optimizer = ToHandle(optimizer_.get());
+  boost.precision = precision_;
+  boost.grad_accumulation = static_cast<int32_t>(accum_);
+  ThrowIfError(strategy_.api->boost(instance_, &boost));
+
+  if (GetBool(*job_.checkpoint, "resume")) {
+    if (auto latest = ckpt::FindLatestCheckpoint(run_dir_ / "checkpoints")) {
+      ckpt::CheckpointReader reader(*latest);
+      cai_checkpoint_args args{};
+      args.struct_size = CAI_CHECKPOINT_ARGS_STRUCT_SIZE;
+      args.checkpoint = reader.handle();
+      args.model = true;
+      args.optimizer = true;
+      ThrowIfError(strategy_.api->load(instance_, &args));
+      start_step_ = reader.step();
+      Log(CAI_LOG_INFO, "", "resumed from " + latest->string() + " (step " +
+                                std::to_string(start_step_) + ", saved by " +
+                                std::to_string(reader.saved_world_size()) + " ranks)");
+    }
+  }
+  if (env_.rank == 0) {
+    metrics_.open(run_dir_ / "metrics.jsonl", start_step_ > 0 ? std::ios::app : std::ios::trunc);
+    if (!metrics_) throw Error(CAI_PERMISSION_DENIED, (run_dir_ / "metrics.jsonl").string() +
+                                                          ": cannot be written");
+    std::ofstream(run_dir_ / "config.resolved.toml") << job_.resolved_toml;
+  }
+}
+
+double Run::Evaluate() {
+  if (!eval_sampler_) return NAN;
+  const int64_t batches = GetInt(*job_.train, "eval_batches");
+  double local = 0;
+  for (int64_t i = 0; i < batches; ++i) {
+    auto chunks = RankChunks(eval_sampler_->GlobalBatchStarts(i), env_.rank, env_.world_size, 1);
+    data::Batch batch = eval_sampler_->Gather(chunks[0]);
+    BatchTensors t(batch);
+    double loss = 0;
+    if (CAI_HAS_FIELD(strategy_.api, cai_plugin_api, evaluate) && strategy_.api->evaluate) {
+      cai_micro_batch mb{};
+      mb.struct_size = CAI_MICRO_BATCH_STRUCT_SIZE;
+      mb.tokens = &t.tokens;
+      mb.targets = &t.targets;
+      mb.loss_weight = 1;
+      mb.loss = &loss;
+      ThrowIfError(strategy_.api->evaluate(instance_, &mb));
+    } else {
+      loss = model_->ForwardBackward(t.tokens, t.targets, false);
+    }
+    local += loss * static_cast<double>(batch.rows) / static_cast<double>(global_batch_);
+  }
+  return SumOverRanks(local) / static_cast<double>(batches);
+}
+
+void Run::SaveCheckpoint(int64_t step) {
+  ckpt::CheckpointWriter writer(run_dir_ / "checkpoints", step, env_.rank, env_.world_size,
+                                env_.run_id);
+  cai_checkpoint_args args{};
+  args.struct_size = CAI_CHECKPOINT_ARGS_STRUCT_SIZE;
+  args.checkpoint = writer.handle();
+  args.model = true;
+  args.optimizer = true;
+  ThrowIfError(strategy_.api->save(instance_, &args));
+  fs::path dir = writer.Commit([&] { Barrier(); });
+  if (env_.rank == 0) Log(CAI_LOG_INFO, "", "checkpoint saved: " + dir.string());
+}
+
+void Run::Report(int64_t step, double loss, const cai_step_result& result, double step_s) {
+  const double tokens_per_s = static_cast<double>(global_batch_ * seq_len_) / step_s;
+  JsonObject line;
+  line.Add("step", step)
+      .Add("loss", loss)
+      .Add("lr", result.lr)
+      .Add("grad_norm", result.grad_norm)
+      .Add("loss_scale", result.loss_scale)
+      .Add("skipped", result.skipped)
+      .Add("tokens_per_s", tokens_per_s)
+      .Add("step_time_s", step_s);
+  if (!std::isnan(last_eval_)) line.Add("eval_loss", last_eval_);
+  metrics_ << line.str() << "\n";
+  metrics_.flush();
+
+  const int64_t done = step - start_step_;
+  const double elapsed = std::chrono::duration<double>(Clock::now() - loop_start_).count();
+  const double eta = elapsed / static_cast<double>(done) * static_cast<double>(steps_ - step);
+  std::ostringstream text;
+  text << "step " << step << "/" << steps_ << "  loss " << std::fixed << std::setprecision(4)
+       << loss << "  lr " << std::scientific << std::setprecision(2) << result.lr << std::fixed
+       << std::setprecision(0) << "  " << tokens_per_s << " tok/s  ETA " << FormatDuration(eta);
+  if (result.skipped) text << "  (overflow: step skipped)";
+  if (progress_bar_) {
+    const int width = 24;
+    const int filled = static_cast<int>(width * step / steps_);
+    std::cerr << "\r[" << std::string(filled, '#') << std::string(width - filled, '.') << "] "
+              << text.str() << "   " << std::flush;
+    if (step == steps_) std::cerr << "\n";
+  } else if (step % GetInt(*job_.train, "log_every") == 0 || step == steps_ || done == 1) {
+    Log(CAI_LOG_INFO, "", text.str());
+  }
+}
+
+void Run::WriteSummary(double wall_s) {
+  // Per-rank figures travel to rank 0 in one all-gather: peak bytes per tier, peak RSS, and
+  // bytes handed to each collective per step.
+  constexpr size_t kFields = CAI_MEM_NUM_TIERS + 1 + CAI_COMM_NUM_OPS;
+  std::vector<int64_t> mine(kFields);
+  for (int tier = 0; tier < CAI_MEM_NUM_TIERS; ++tier) {
+    cai_mem_usage usage{};
+    usage.struct_size = CAI_MEM_USAGE_STRUCT_SIZE;
+    ThrowIfError(MemApi()->usage(tier, &usage));
+    mine[tier] = static_cast<int64_t>(usage.peak_bytes);
+  }
+  mine[CAI_MEM_NUM_TIERS] = static_cast<int64_t>(PeakRssBytes());
+  for (int op = 0; op < CAI_COMM_NUM_OPS; ++op) {
+    mine[CAI_MEM_NUM_TIERS + 1 + op] = static_cast<int64_t>(bytes_per_step_[op]);
+  }
+  std::vector<int64_t> all(kFields * env_.world_size);
+  if (env_.world_size == 1) {
+    all = mine;
+  } else {
+    int64_t in_n = kFields, out_n = all.size(), stride = 1;
+    cai_tensor in{mine.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &in_n, &stride, 0};
+    cai_tensor out{all.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &out_n, &stride, 0};
+    cai_comm_args args{};
+    args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+    args.op = CAI_COMM_ALL_GATHER;
+    args.input = &in;
+    args.output = &out;
+    ThrowIfError(CommApi()->run(&args, nullptr));
+  }
+  if (env_.rank != 0) return;
+
+  std::vector<double> sorted = step_times_;
+  std::sort(sorted.begin(), sorted.end());
+  // The first step pays for allocation and warm-up; the median of the rest is the rate.
+  const double median = sorted.empty() ? NAN : sorted[sorted.size() / 2];
+  std::vector<std::string> ranks;
+  for (int r = 0; r < env_.world_size; ++r) {
+    const int64_t* f = all.data() + r * kFields;
+    JsonObject peak, comm;
+    for (int tier = 0; tier < CAI_MEM_NUM_TIERS; ++tier) peak.Add(kTierNames[tier], f[tier]);
+    for (int op = 0; op < CAI_COMM_NUM_OPS; ++op) {
+      comm.Add(kOpNames[op], f[CAI_MEM_NUM_TIERS + 1 + op]);
+    }
+    ranks.push_back(JsonObject()
+                        .Add("rank", r)
+                        .AddRaw("peak_bytes", peak.str())
+                        .Add("peak_rss_bytes", f[CAI_MEM_NUM_TIERS])
+                        .AddRaw("comm_bytes_per_step", comm.str())
+                        .str());
+  }
+  cai_strategy_stats stats{};
+  stats.struct_size = CAI_STRATEGY_STATS_STRUCT_SIZE;
+  ThrowIfError(strategy_.api->stats(instance_, &stats));
+  JsonObject summary;
+  summary.Add("plugin", strategy_.name)
+      .Add("world_size", env_.world_size)
+      .Add("steps", steps_)
+      .Add("final_loss", last_loss_)
+      .Add("final_eval_loss", last_eval_)
+      .Add("tokens_per_s", static_cast<double>(global_batch_ * seq_len_) / median)
+      .Add("median_step_time_s", median)
+      .Add("wall_time_s", wall_s)
+      .Add("precision", GetString(*job_.train, "precision"))
+      .Add("threads_per_rank", ComputeThreads())
+      .Add("blas", LoadedBlas())
+      .AddRaw("strategy_bytes_rank0", JsonObject()
+                                          .Add("params", stats.param_bytes)
+                                          .Add("grads", stats.grad_bytes)
+                                          .Add("optimizer_state", stats.optimizer_state_bytes)
+                                          .Add("master", stats.master_bytes)
+                                          .str())
+      .AddRaw("ranks", JsonArray(ranks));
+  std::ofstream(run_dir_ / "summary.json") << summary.str() << "\n";
+}
+
+int Run::Execute() {
+  const auto wall_start = Clock::now();
+  Setup();
+  if (env_.rank == 0) {
+    std::cerr << "cai: resolved configuration (also in " << (run_dir_ / "config.resolved.toml")
+              << "):\n"
+              << job_.resolved_toml;
+    Log(CAI_LOG_INFO, "", std::string("model: ") + model_->Describe() + "; strategy: " +
+                              strategy_.name + "; ranks: " + std::to_string(env_.world_size));
+  }
+  progress_bar_ = env_.rank == 0 && env_.world_size == 1 && isatty(STDERR_FILENO);
+  const int64_t eval_every = GetInt(*job_.train, "eval_every");
+  const int64_t ckpt_every = GetInt(*job_.checkpoint, "every");
+  loop_start_ = Clock::now();
+  for (int64_t step = start_step_ + 1; step <= steps_; ++step) {
+    const auto t0 = Clock::now();
+    const cai_comm_counters before = Counters();
+    auto chunks = RankChunks(train_sampler_->GlobalBatchStarts(step - 1), env_.rank,
+                             env_.world_size, accum_);
+    double local_loss = 0;
+    for (int64_t i = 0; i < accum_; ++i) {
+      if (strategy_.api->no_sync && accum_ > 1) {
+        ThrowIfError(strategy_.api->no_sync(instance_, i + 1 < accum_));
+      }
+      data::Batch batch = train_sampler_->Gather(chunks[i]);
+      batch.loss_weight = static_cast<double>(batch.rows) / static_cast<double>(global_batch_);
+      BatchTensors t(batch);
+      double loss = 0;
+      cai_micro_batch mb{};
+      mb.struct_size = CAI_MICRO_BATCH_STRUCT_SIZE;
+      mb.tokens = &t.tokens;
+      mb.targets = &t.targets;
+      mb.loss_weight = batch.loss_weight;
+      mb.loss = &loss;
+      ThrowIfError(strategy_.api->forward_backward(instance_, &mb));
+      local_loss += loss * batch.loss_weight;
+    }
+    cai_step_result result{};
+    result.struct_size = CAI_STEP_RESULT_STRUCT_SIZE;
+    ThrowIfError(strategy_.api->step(instance_, &result));
+    ThrowIfError(strategy_.api->zero_grad(instance_));
+    const cai_comm_counters after = Counters();
+    const double loss = SumOverRanks(local_loss);
+    const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (step > start_step_ + 1 || steps_ - start_step_ == 1) step_times_.push_back(step_s);
+    for (int op = 0; op < CAI_COMM_NUM_OPS; ++op) {
+      bytes_per_step_[op] = after.bytes[op] - before.bytes[op];
+    }
+    if (!std::isfinite(loss)) {
+      throw Error(CAI_ABORTED, "loss is " + std::to_string(loss) + " at step " +
+                                   std::to_string(step) + "; lower optimizer.lr or use fp32");
+    }
+    last_loss_ = loss;
+    if ((eval_every > 0 && step % eval_every == 0) || step == steps_) last_eval_ = Evaluate();
+    if (env_.rank == 0) Report(step, loss, result, step_s);
+    if ((ckpt_every > 0 && step % ckpt_every == 0) ||
+        (step == steps_ && GetBool(*job_.checkpoint, "at_end"))) {
+      SaveCheckpoint(step);
+    }
+  }
+  WriteSummary(std::chrono::duration<double>(Clock::now() - wall_start).count());
+  strategy_.api->destroy(instance_);
+  instance_ = nullptr;
+  if (env_.rank == 0) {
+    std::cout << "cai: trained " << steps_ << " steps with '" << strategy_.name << "' on "
+              << env_.world_size << " rank(s); final loss " << std::fixed << std::setprecision(4)
+              << last_loss_ << ", eval loss " << last_eval_ << "\n"
+              << "cai: metrics in " << (run_dir_ / "metrics.jsonl").string() << ", summary in "
+              << (run_dir_ / "summary.json").string() << ", checkpoints in "
+              << (run_dir_ / "checkpoints").string() << "\n";
+  }
+  return 0;
+}
+
+int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& env,
+            const fs::path& run_dir) {
+  InitLogging(env.rank, CAI_LOG_INFO, std::getenv("CAI_LAUNCHER") == nullptr);
+  std::error_code ec;
+  fs::create_directories(run_dir / "logs", ec);
+  if (ec) {
+    throw Error(CAI_PERMISSION_DENIED,
+                "run directory " + run_dir.string() + " cannot be created: " + ec.message());
+  }
+  AddLogFile((run_dir / "logs" / ("rank-" + std::to_string(env.rank) + ".log")).string());
+  Log(CAI_LOG_INFO, "", "rank " + std::to_string(env.rank) + " of " +
+                            std::to_string(env.world_size) + " (pid " + std::to_string(getpid()) +
+                            ", joined through " + env.launcher + ")");
+  CommOptions comm;
+  comm.rank = env.rank;
+  comm.world_size = env.world_size;
+  comm.master_addr = env.master_addr;
+  comm.master_port = env.master_port;
+  comm.timeout = std::chrono::seconds(GetInt(*job.launch, "timeout_s"));
+  Communicator::Init(comm);
+  try {
+    int code = Run(options, std::move(job), env, run_dir).Execute();
+    Communicator::Shutdown();
+    return code;
+  } catch (const std::exception& e) {
+    Log(CAI_LOG_ERROR, "", e.what());
+    // Other ranks may be waiting in a collective: the launcher (or the job scheduler) stops
+    // them once this rank exits non-zero.
+    std::_Exit(1);
+  }
+}
+
+}  // namespace
+
+int RunTrain(const TrainOptions& options) {
+  JobConfig job = LoadJob(options.job_file, options.sets);
+  fs::path run_dir = options.run_dir.empty() ? DefaultRunDir(options.job_file) : options.run_dir;
+  // What each launched rank runs: this command again, with the run directory fixed so that
+  // every rank writes to the same one.
+  launch::LaunchOptions launch;
+  launch.nproc = options.nproc > 0 ? options.nproc : static_cast<int>(GetInt(*job.launch, "nproc"));
+  for (const fs::path& p : options.plugin_paths) {
+    launch.args.push_back("--plugin-path");
+    launch.args.push_back(fs::absolute(p).string());
+  }
+  launch.args.push_back("train");
+  if (!options.job_file.empty()) launch.args.push_back(fs::absolute(options.job_file).string());
+  launch.args.push_back("--run-dir");
+  launch.args.push_back(fs::absolute(run_dir).string());
+  for (const std::string& set : options.sets) {
+    launch.args.push_back("--set");
+    launch.args.push_back(set);
+  }
+  launch.env.emplace_back("CAI_LAUNCHER", "local");
+  launch.master_addr = GetString(*job.launch, "master_addr");
+  launch.master_port = static_cast<int>(GetInt(*job.launch, "master_port"));
+  if (launch.nproc > 1 && !launch::DetectRankEnv()) {
+    std::cerr << "cai: launching " << launch.nproc << " ranks; logs in "
+              << (run_dir / "logs").string() << "\n";
+  }
+  return launch::RunOrLaunch(launch, [&](const launch::RankEnv& env) {
+    return RunRank(options, std::move(job), env, run_dir);
+  });
+}
+
+}  // namespace cai

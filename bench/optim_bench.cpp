@@ -72,7 +72,8 @@ void PrintBlas() {
   }
   for (const std::string& lib : libs) std::printf("BLAS: mapped %s\n", lib.c_str());
   char resolved[4096];
-  for (const char* link : {"/usr/lib/x86_64-linux-gnu/libblas.so.3", "/lib/x86_64-linux-gnu/libblas.so.3"}) {
+  for (const char* link :
+       {"/usr/lib/x86_64-linux-gnu/libblas.so.3", "/lib/x86_64-linux-gnu/libblas.so.3"}) {
     if (realpath(link, resolved)) {
       std::printf("BLAS: %s -> %s\n", link, resolved);
       break;
@@ -145,14 +146,14 @@ int main(int argc, char** argv) {
   std::printf("threads: OpenMP max %d, hardware %u\n", all, std::thread::hardware_concurrency());
   std::printf("numel %zu (%.0f MiB per fp32 array), median of %d repetitions\n\n", n,
               static_cast<double>(n) * 4 / (1 << 20), reps);
-  std::printf("%-8s %6s %12s %14s %14s %14s %10s %10s\n", "threads", "torch", "triad GB/s", "limit Melem/s",
-              "cai Melem/s", "torch Melem/s", "cai/torch", "cai/limit");
+  std::printf("%-8s %6s %12s %14s %14s %14s %10s %10s\n", "threads", "torch", "triad GB/s",
+              "limit Melem/s", "cai Melem/s", "torch Melem/s", "cai/torch", "cai/limit");
   for (int threads : std::set<int>{1, all}) {
     const Result r = Measure(n, reps, threads);
     const double limit = r.triad_gbs * 1e9 / 28;
-    std::printf("%-8d %6d %12.2f %14.1f %14.1f %14.1f %9.2fx %9.0f%%\n", threads, r.torch_threads, r.triad_gbs,
-                limit / 1e6, r.ours_eps / 1e6, r.torch_eps / 1e6, r.ours_eps / r.torch_eps,
-                100 * r.ours_eps / limit);
+    std::printf("%-8d %6d %12.2f %14.1f %14.1f %14.1f %9.2fx %9.0f%%\n", threads, r.torch_threads,
+                r.triad_gbs, limit / 1e6, r.ours_eps / 1e6, r.torch_eps / 1e6,
+                r.ours_eps / r.torch_eps, 100 * r.ours_eps / limit);
   }
   return 0;
 }

@@ -57,20 +57,19 @@ constexpr bool SameType() {
   return SameModuloFrozenNamespace(TypeName<Frozen>(), TypeName<Current>());
 }
 
-#define CAI_FROZEN_FIELD(S, f)                                                           \
-  static_assert(offsetof(v1_0::S, f) == offsetof(::S, f), #S "." #f " moved");           \
-  static_assert(sizeof(v1_0::S::f) == sizeof(::S::f), #S "." #f " changed size");        \
+#define CAI_FROZEN_FIELD(S, f)                                                    \
+  static_assert(offsetof(v1_0::S, f) == offsetof(::S, f), #S "." #f " moved");    \
+  static_assert(sizeof(v1_0::S::f) == sizeof(::S::f), #S "." #f " changed size"); \
   static_assert(SameType<decltype(v1_0::S::f), decltype(::S::f)>(), #S "." #f " changed type");
 // Only the strategy table grew (1.1: estimate_memory); every other struct is unchanged.
 constexpr bool GrewSince1_0(std::string_view name) { return name == "cai_plugin_api"; }
-#define CAI_FROZEN_STRUCT(S)                                                             \
-  static_assert(GrewSince1_0(#S) ? sizeof(v1_0::S) < sizeof(::S)                          \
-                                 : sizeof(v1_0::S) == sizeof(::S),                        \
+#define CAI_FROZEN_STRUCT(S)                                                                       \
+  static_assert(GrewSince1_0(#S) ? sizeof(v1_0::S) < sizeof(::S) : sizeof(v1_0::S) == sizeof(::S), \
                 #S " changed size");
-#define CAI_FROZEN_ENUM(NAME)                                                       \
-  static_assert(static_cast<long long>(v1_0::CAI_V1_0_##NAME) ==                        \
-                    static_cast<long long>(CAI_##NAME),                                 \
-                "CAI_" #NAME " changed value");
+#define CAI_FROZEN_ENUM(NAME)                                                              \
+  static_assert(                                                                           \
+      static_cast<long long>(v1_0::CAI_V1_0_##NAME) == static_cast<long long>(CAI_##NAME), \
+      "CAI_" #NAME " changed value");
 #define CAI_FROZEN_FLAG(NAME) \
   static_assert(CAI_V1_0_##NAME == CAI_##NAME, "CAI_" #NAME " changed value");
 

@@ -12,8 +12,8 @@
 namespace cai::testing {
 
 struct Result {
-  int code = -1;        // exit status, or -1 when killed by a signal
-  std::string output;   // stdout and stderr together
+  int code = -1;       // exit status, or -1 when killed by a signal
+  std::string output;  // stdout and stderr together
 };
 
 // Runs `command` through /bin/sh with stderr folded into stdout.
@@ -34,9 +34,9 @@ inline std::string ReadFile(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-#define CAI_EXPECT_CONTAINS(haystack, needle)                                               \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos)                          \
-      << "missing: " << (needle) << "\nin:\n"                                               \
+#define CAI_EXPECT_CONTAINS(haystack, needle)                      \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
+      << "missing: " << (needle) << "\nin:\n"                      \
       << (haystack)
 
 }  // namespace cai::testing

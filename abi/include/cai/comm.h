@@ -26,8 +26,13 @@ typedef struct cai_comm_group cai_comm_group;
 typedef struct cai_comm_work cai_comm_work;
 
 typedef int32_t cai_reduce_op;
-enum { CAI_REDUCE_SUM = 0, CAI_REDUCE_AVG = 1, CAI_REDUCE_MAX = 2, CAI_REDUCE_MIN = 3,
-       CAI_REDUCE_PRODUCT = 4 };
+enum {
+  CAI_REDUCE_SUM = 0,
+  CAI_REDUCE_AVG = 1,
+  CAI_REDUCE_MAX = 2,
+  CAI_REDUCE_MIN = 3,
+  CAI_REDUCE_PRODUCT = 4
+};
 
 typedef int32_t cai_comm_op;
 enum {
@@ -60,7 +65,7 @@ enum {
 typedef struct cai_comm_args {
   size_t struct_size;
   cai_extension_base* extension_start;
-  cai_comm_group* group;     /* NULL = world */
+  cai_comm_group* group; /* NULL = world */
   cai_comm_op op;
   cai_reduce_op reduce_op;
   const cai_tensor* input;
@@ -68,17 +73,17 @@ typedef struct cai_comm_args {
   int32_t root;
   int32_t peer;
   int32_t tag;
-  bool async;                /* true: return at once with *work set; false: complete first */
-  int64_t timeout_ms;        /* 0 = the group's default timeout */
-  void* stream;              /* device stream to order against; NULL = current */
+  bool async;         /* true: return at once with *work set; false: complete first */
+  int64_t timeout_ms; /* 0 = the group's default timeout */
+  void* stream;       /* device stream to order against; NULL = current */
 } cai_comm_args;
 #define CAI_COMM_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_comm_args, stream)
 
 typedef struct cai_comm_counters {
   size_t struct_size;
   cai_extension_base* extension_start;
-  uint64_t calls[CAI_COMM_NUM_OPS];  /* indexed by cai_comm_op */
-  uint64_t bytes[CAI_COMM_NUM_OPS];  /* bytes this rank handed to each op (its input size) */
+  uint64_t calls[CAI_COMM_NUM_OPS]; /* indexed by cai_comm_op */
+  uint64_t bytes[CAI_COMM_NUM_OPS]; /* bytes this rank handed to each op (its input size) */
 } cai_comm_counters;
 #define CAI_COMM_COUNTERS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_comm_counters, bytes)
 
@@ -88,8 +93,8 @@ typedef struct cai_comm_api {
 
   /* The world group, owned by the host; never NULL once the host has rendezvoused. */
   cai_comm_group* (*world)(void);
-  int32_t (*rank)(const cai_comm_group* group);   /* NULL = world */
-  int32_t (*size)(const cai_comm_group* group);   /* NULL = world */
+  int32_t (*rank)(const cai_comm_group* group); /* NULL = world */
+  int32_t (*size)(const cai_comm_group* group); /* NULL = world */
   /* Creates a sub-group of the given world ranks. Collective: every world rank calls it with
    * the same list, members and non-members alike (non-members get *out = NULL). Fails with
    * INVALID_ARGUMENT on duplicate or out-of-range ranks. */

@@ -61,8 +61,8 @@ extern "C" {
  * features hang here instead of in the core tables. */
 typedef struct cai_extension_base {
   size_t struct_size;
-  int32_t type;                         /* a CAI_EXT_* value; unknown types are skipped */
-  struct cai_extension_base* next;      /* NULL ends the chain */
+  int32_t type;                    /* a CAI_EXT_* value; unknown types are skipped */
+  struct cai_extension_base* next; /* NULL ends the chain */
 } cai_extension_base;
 #define CAI_EXTENSION_BASE_STRUCT_SIZE CAI_STRUCT_SIZE(cai_extension_base, next)
 
@@ -111,9 +111,9 @@ enum {
 /* Device kinds, numbered as DLPack's DLDeviceType. */
 typedef int32_t cai_device_type;
 enum {
-  CAI_DEVICE_CPU = 1,       /* kDLCPU */
-  CAI_DEVICE_CUDA = 2,      /* kDLCUDA */
-  CAI_DEVICE_CUDA_HOST = 3  /* kDLCUDAHost: pinned host memory */
+  CAI_DEVICE_CPU = 1,      /* kDLCPU */
+  CAI_DEVICE_CUDA = 2,     /* kDLCUDA */
+  CAI_DEVICE_CUDA_HOST = 3 /* kDLCUDAHost: pinned host memory */
 };
 
 typedef struct cai_device {
@@ -123,15 +123,15 @@ typedef struct cai_device {
 
 /* Type codes, numbered as DLPack's DLDataTypeCode. */
 enum {
-  CAI_DTYPE_INT = 0,     /* kDLInt */
-  CAI_DTYPE_UINT = 1,    /* kDLUInt */
-  CAI_DTYPE_FLOAT = 2,   /* kDLFloat: fp16 is {FLOAT, 16, 1}, fp32 {FLOAT, 32, 1} */
-  CAI_DTYPE_BFLOAT = 4,  /* kDLBfloat: bf16 is {BFLOAT, 16, 1} */
-  CAI_DTYPE_BOOL = 6     /* kDLBool */
+  CAI_DTYPE_INT = 0,    /* kDLInt */
+  CAI_DTYPE_UINT = 1,   /* kDLUInt */
+  CAI_DTYPE_FLOAT = 2,  /* kDLFloat: fp16 is {FLOAT, 16, 1}, fp32 {FLOAT, 32, 1} */
+  CAI_DTYPE_BFLOAT = 4, /* kDLBfloat: bf16 is {BFLOAT, 16, 1} */
+  CAI_DTYPE_BOOL = 6    /* kDLBool */
 };
 
 typedef struct cai_dtype {
-  uint8_t code;   /* CAI_DTYPE_* */
+  uint8_t code; /* CAI_DTYPE_* */
   uint8_t bits;
   uint16_t lanes; /* always 1 in cai */
 } cai_dtype;
@@ -146,7 +146,7 @@ typedef struct cai_tensor {
   int32_t ndim;
   cai_dtype dtype;
   int64_t* shape;
-  int64_t* strides;      /* in elements, as in DLPack */
+  int64_t* strides; /* in elements, as in DLPack */
   uint64_t byte_offset;
 } cai_tensor;
 
@@ -155,14 +155,14 @@ typedef struct cai_tensor {
 typedef int32_t cai_config_type;
 enum {
   CAI_CONFIG_BOOL = 1,
-  CAI_CONFIG_INT = 2,    /* 64-bit signed */
-  CAI_CONFIG_FLOAT = 3,  /* double; an integer literal is accepted too */
+  CAI_CONFIG_INT = 2,   /* 64-bit signed */
+  CAI_CONFIG_FLOAT = 3, /* double; an integer literal is accepted too */
   CAI_CONFIG_STRING = 4
 };
 
 /* cai_config_key.flags */
-#define CAI_CONFIG_HAS_MIN ((uint64_t)1 << 0)  /* min_value bounds INT/FLOAT values (inclusive) */
-#define CAI_CONFIG_HAS_MAX ((uint64_t)1 << 1)  /* max_value bounds INT/FLOAT values (inclusive) */
+#define CAI_CONFIG_HAS_MIN ((uint64_t)1 << 0) /* min_value bounds INT/FLOAT values (inclusive) */
+#define CAI_CONFIG_HAS_MAX ((uint64_t)1 << 1) /* max_value bounds INT/FLOAT values (inclusive) */
 
 /* One key of the TOML table a plugin accepts (the job's [plugin.<name>] table). The host
  * validates the user's table against the plugin's keys before create(): an unknown key is an
@@ -171,12 +171,12 @@ enum {
 typedef struct cai_config_key {
   size_t struct_size;
   cai_extension_base* extension_start;
-  const char* name;            /* [a-z0-9_]+ */
+  const char* name; /* [a-z0-9_]+ */
   cai_config_type type;
-  const char* default_value;   /* TOML literal of the default: "25", "true", "0.5", "\"fp32\"" */
-  const char* doc;             /* one sentence, shown by `cai plugins info` */
-  const char* const* choices;  /* STRING only: NULL-terminated list of allowed values, or NULL */
-  uint64_t flags;              /* CAI_CONFIG_HAS_* */
+  const char* default_value;  /* TOML literal of the default: "25", "true", "0.5", "\"fp32\"" */
+  const char* doc;            /* one sentence, shown by `cai plugins info` */
+  const char* const* choices; /* STRING only: NULL-terminated list of allowed values, or NULL */
+  uint64_t flags;             /* CAI_CONFIG_HAS_* */
   double min_value;
   double max_value;
 } cai_config_key;

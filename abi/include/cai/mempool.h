@@ -19,10 +19,10 @@ extern "C" {
 
 typedef int32_t cai_mem_tier;
 enum {
-  CAI_MEM_DEVICE = 0,       /* accelerator memory (host memory with its own budget on CPU) */
-  CAI_MEM_PINNED_HOST = 1,  /* page-locked host memory (plain host memory on CPU builds) */
-  CAI_MEM_HOST = 2,         /* pageable host memory */
-  CAI_MEM_NVME = 3,         /* file-backed memory under the configured NVMe directory */
+  CAI_MEM_DEVICE = 0,      /* accelerator memory (host memory with its own budget on CPU) */
+  CAI_MEM_PINNED_HOST = 1, /* page-locked host memory (plain host memory on CPU builds) */
+  CAI_MEM_HOST = 2,        /* pageable host memory */
+  CAI_MEM_NVME = 3,        /* file-backed memory under the configured NVMe directory */
   CAI_MEM_NUM_TIERS = 4
 };
 
@@ -33,10 +33,10 @@ typedef struct cai_mem_alloc_args {
   size_t struct_size;
   cai_extension_base* extension_start;
   cai_mem_tier tier;
-  size_t bytes;          /* > 0 */
-  size_t alignment;      /* power of two, 0 = 64 bytes */
-  const char* tag;       /* accounting label ("zero.master", "ddp.bucket"), may be NULL */
-  bool zero_fill;        /* contents set to zero before return */
+  size_t bytes;     /* > 0 */
+  size_t alignment; /* power of two, 0 = 64 bytes */
+  const char* tag;  /* accounting label ("zero.master", "ddp.bucket"), may be NULL */
+  bool zero_fill;   /* contents set to zero before return */
 } cai_mem_alloc_args;
 #define CAI_MEM_ALLOC_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_mem_alloc_args, zero_fill)
 
@@ -55,10 +55,10 @@ typedef struct cai_mem_usage {
  * strides). All operands of one call live on the same device. */
 typedef int32_t cai_mem_kernel_op;
 enum {
-  CAI_KERNEL_COPY = 0,      /* y = x, casting between fp32/bf16/fp16 when dtypes differ */
-  CAI_KERNEL_SCALE = 1,     /* y = alpha * y */
-  CAI_KERNEL_AXPY = 2,      /* y = alpha * x + y (x may be bf16/fp16 when y is fp32) */
-  CAI_KERNEL_FILL = 3,      /* y = alpha */
+  CAI_KERNEL_COPY = 0,        /* y = x, casting between fp32/bf16/fp16 when dtypes differ */
+  CAI_KERNEL_SCALE = 1,       /* y = alpha * y */
+  CAI_KERNEL_AXPY = 2,        /* y = alpha * x + y (x may be bf16/fp16 when y is fp32) */
+  CAI_KERNEL_FILL = 3,        /* y = alpha */
   CAI_KERNEL_SUM_SQUARES = 4, /* result = sum(y^2) accumulated in fp64 */
   CAI_KERNEL_ALL_FINITE = 5   /* result = 1.0 if every element of y is finite, else 0.0 */
 };
@@ -67,11 +67,11 @@ typedef struct cai_mem_kernel_args {
   size_t struct_size;
   cai_extension_base* extension_start;
   cai_mem_kernel_op op;
-  const cai_tensor* x;   /* input; NULL for ops that take none */
-  const cai_tensor* y;   /* output (or the single operand of reductions) */
+  const cai_tensor* x; /* input; NULL for ops that take none */
+  const cai_tensor* y; /* output (or the single operand of reductions) */
   double alpha;
-  double* result;        /* out: reductions only */
-  void* stream;          /* device stream to enqueue on; NULL = synchronous */
+  double* result; /* out: reductions only */
+  void* stream;   /* device stream to enqueue on; NULL = synchronous */
 } cai_mem_kernel_args;
 #define CAI_MEM_KERNEL_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_mem_kernel_args, stream)
 

@@ -33,18 +33,18 @@ typedef struct cai_model cai_model;
 typedef int32_t cai_param_role;
 enum {
   CAI_ROLE_OTHER = 0,
-  CAI_ROLE_EMBEDDING = 1,      /* token embedding [vocab, hidden] */
-  CAI_ROLE_POS_EMBEDDING = 2,  /* learned positions [ctx, hidden] */
-  CAI_ROLE_ATTN_QKV = 3,       /* fused q/k/v projection (column-parallel) */
+  CAI_ROLE_EMBEDDING = 1,     /* token embedding [vocab, hidden] */
+  CAI_ROLE_POS_EMBEDDING = 2, /* learned positions [ctx, hidden] */
+  CAI_ROLE_ATTN_QKV = 3,      /* fused q/k/v projection (column-parallel) */
   CAI_ROLE_ATTN_Q = 4,
   CAI_ROLE_ATTN_K = 5,
   CAI_ROLE_ATTN_V = 6,
-  CAI_ROLE_ATTN_OUT = 7,       /* attention output projection (row-parallel) */
-  CAI_ROLE_MLP_UP = 8,         /* column-parallel */
-  CAI_ROLE_MLP_GATE = 9,       /* column-parallel (SwiGLU) */
-  CAI_ROLE_MLP_DOWN = 10,      /* row-parallel */
-  CAI_ROLE_NORM = 11,          /* LayerNorm / RMSNorm weight or bias */
-  CAI_ROLE_LM_HEAD = 12        /* output projection (may be tied to the embedding) */
+  CAI_ROLE_ATTN_OUT = 7,  /* attention output projection (row-parallel) */
+  CAI_ROLE_MLP_UP = 8,    /* column-parallel */
+  CAI_ROLE_MLP_GATE = 9,  /* column-parallel (SwiGLU) */
+  CAI_ROLE_MLP_DOWN = 10, /* row-parallel */
+  CAI_ROLE_NORM = 11,     /* LayerNorm / RMSNorm weight or bias */
+  CAI_ROLE_LM_HEAD = 12   /* output projection (may be tied to the embedding) */
 };
 
 /* Kind of a unit. */
@@ -59,30 +59,30 @@ enum { CAI_UNIT_OTHER = 0, CAI_UNIT_EMBEDDING = 1, CAI_UNIT_BLOCK = 2, CAI_UNIT_
 typedef struct cai_param_info {
   size_t struct_size;
   cai_extension_base* extension_start;
-  const char* name;          /* "blocks.3.attn.qkv.weight"; lives as long as the model */
-  const char* module_path;   /* "blocks.3.attn.qkv" */
+  const char* name;        /* "blocks.3.attn.qkv.weight"; lives as long as the model */
+  const char* module_path; /* "blocks.3.attn.qkv" */
   int32_t ndim;
-  const int64_t* shape;      /* ndim entries; lives as long as the model */
+  const int64_t* shape; /* ndim entries; lives as long as the model */
   int64_t numel;
-  cai_dtype dtype;           /* current storage dtype */
-  uint64_t flags;            /* CAI_PARAM_* */
-  uint32_t group;            /* optimizer parameter group */
-  int32_t tied_to;           /* index of the parameter this one shares storage with, or -1;
-                                a tied parameter appears once (the lowest index owns it) */
-  int32_t unit;              /* index of the unit that holds it, or -1 */
+  cai_dtype dtype; /* current storage dtype */
+  uint64_t flags;  /* CAI_PARAM_* */
+  uint32_t group;  /* optimizer parameter group */
+  int32_t tied_to; /* index of the parameter this one shares storage with, or -1;
+                      a tied parameter appears once (the lowest index owns it) */
+  int32_t unit;    /* index of the unit that holds it, or -1 */
   cai_param_role role;
-  int32_t parallel_dim;      /* dimension tensor parallelism splits (-1 = replicate) */
+  int32_t parallel_dim; /* dimension tensor parallelism splits (-1 = replicate) */
 } cai_param_info;
 #define CAI_PARAM_INFO_STRUCT_SIZE CAI_STRUCT_SIZE(cai_param_info, parallel_dim)
 
 typedef struct cai_unit_info {
   size_t struct_size;
   cai_extension_base* extension_start;
-  const char* name;          /* "blocks.3" */
+  const char* name; /* "blocks.3" */
   cai_unit_kind kind;
   uint32_t num_params;
-  const uint32_t* params;    /* parameter indices, in registration order */
-  int64_t numel;             /* sum of the unit's parameters' numel (tied counted once) */
+  const uint32_t* params; /* parameter indices, in registration order */
+  int64_t numel;          /* sum of the unit's parameters' numel (tied counted once) */
 } cai_unit_info;
 #define CAI_UNIT_INFO_STRUCT_SIZE CAI_STRUCT_SIZE(cai_unit_info, numel)
 
@@ -90,21 +90,21 @@ typedef struct cai_unit_info {
 
 typedef int32_t cai_hook_kind;
 enum {
-  CAI_HOOK_PRE_FORWARD = 0,    /* before a unit's forward */
-  CAI_HOOK_POST_FORWARD = 1,   /* after a unit's forward */
-  CAI_HOOK_PRE_BACKWARD = 2,   /* before a unit's backward (its output gradient is ready) */
-  CAI_HOOK_POST_BACKWARD = 3,  /* after a unit's backward (all its parameters' gradients done) */
-  CAI_HOOK_GRAD_READY = 4,     /* a parameter's gradient for this backward is accumulated */
-  CAI_HOOK_PRE_STEP_FORWARD = 5  /* once, before the whole model's forward of a micro-batch */
+  CAI_HOOK_PRE_FORWARD = 0,     /* before a unit's forward */
+  CAI_HOOK_POST_FORWARD = 1,    /* after a unit's forward */
+  CAI_HOOK_PRE_BACKWARD = 2,    /* before a unit's backward (its output gradient is ready) */
+  CAI_HOOK_POST_BACKWARD = 3,   /* after a unit's backward (all its parameters' gradients done) */
+  CAI_HOOK_GRAD_READY = 4,      /* a parameter's gradient for this backward is accumulated */
+  CAI_HOOK_PRE_STEP_FORWARD = 5 /* once, before the whole model's forward of a micro-batch */
 };
 
 typedef struct cai_hook_event {
   size_t struct_size;
   cai_extension_base* extension_start;
   cai_hook_kind kind;
-  int32_t unit;       /* for unit hooks, else -1 */
-  int32_t param;      /* for GRAD_READY, else -1 */
-  bool recompute;     /* forward hooks: true when activation checkpointing re-runs the unit */
+  int32_t unit;   /* for unit hooks, else -1 */
+  int32_t param;  /* for GRAD_READY, else -1 */
+  bool recompute; /* forward hooks: true when activation checkpointing re-runs the unit */
 } cai_hook_event;
 #define CAI_HOOK_EVENT_STRUCT_SIZE CAI_STRUCT_SIZE(cai_hook_event, recompute)
 
@@ -116,10 +116,10 @@ typedef struct cai_hook_args {
   size_t struct_size;
   cai_extension_base* extension_start;
   cai_hook_kind kind;
-  int32_t unit;        /* -1 = every unit (unit hooks) */
-  int32_t param;       /* -1 = every parameter (GRAD_READY) */
+  int32_t unit;  /* -1 = every unit (unit hooks) */
+  int32_t param; /* -1 = every parameter (GRAD_READY) */
   cai_hook_fn fn;
-  void* user_data;     /* passed back verbatim; owned by the caller */
+  void* user_data; /* passed back verbatim; owned by the caller */
 } cai_hook_args;
 #define CAI_HOOK_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_hook_args, user_data)
 
@@ -134,9 +134,9 @@ typedef struct cai_forward_backward_args {
   const cai_tensor* tokens;
   const cai_tensor* targets;
   bool backward;
-  double loss_scale;   /* 0 means 1 */
-  double loss_weight;  /* multiplies the loss before backward (1/accumulation); 0 means 1 */
-  double* loss;        /* out: unscaled, unweighted mean loss */
+  double loss_scale;  /* 0 means 1 */
+  double loss_weight; /* multiplies the loss before backward (1/accumulation); 0 means 1 */
+  double* loss;       /* out: unscaled, unweighted mean loss */
 } cai_forward_backward_args;
 #define CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_forward_backward_args, loss)
 
@@ -154,7 +154,7 @@ typedef struct cai_stage_forward_args {
   int32_t last_unit;
   const cai_tensor* tokens;
   const cai_tensor* targets;
-  const cai_tensor* input;        /* activation data from the previous stage */
+  const cai_tensor* input; /* activation data from the previous stage */
   cai_activation** output;
   double* loss;
 } cai_stage_forward_args;

@@ -31,12 +31,12 @@ typedef struct cai_optim_group_info {
   size_t struct_size;
   cai_extension_base* extension_start;
   cai_optim_kind kind;
-  double lr;               /* base learning rate before the schedule */
-  double weight_decay;     /* decoupled for ADAMW, L2 for ADAM and SGD */
-  double beta1, beta2, eps; /* ADAM/ADAMW */
+  double lr;                  /* base learning rate before the schedule */
+  double weight_decay;        /* decoupled for ADAMW, L2 for ADAM and SGD */
+  double beta1, beta2, eps;   /* ADAM/ADAMW */
   double momentum, dampening; /* SGD */
-  bool nesterov;           /* SGD */
-  uint32_t state_slots;    /* fp32 state values per parameter element: 2 Adam, 1 SGD+momentum */
+  bool nesterov;              /* SGD */
+  uint32_t state_slots;       /* fp32 state values per parameter element: 2 Adam, 1 SGD+momentum */
 } cai_optim_group_info;
 #define CAI_OPTIM_GROUP_INFO_STRUCT_SIZE CAI_STRUCT_SIZE(cai_optim_group_info, state_slots)
 
@@ -54,13 +54,13 @@ typedef struct cai_optim_update_args {
   float* param;
   const void* grad;
   cai_dtype grad_dtype;
-  float* state[4];          /* state_slots entries used, the rest NULL */
-  void* param_lowp;         /* may be NULL */
+  float* state[4];  /* state_slots entries used, the rest NULL */
+  void* param_lowp; /* may be NULL */
   cai_dtype param_lowp_dtype;
   size_t numel;
-  int64_t step;             /* 1-based step count for bias correction */
-  double lr;                /* learning rate for this step (from lr_at) */
-  double grad_scale;        /* multiplies the gradient first: 1/loss_scale * clip coefficient */
+  int64_t step;      /* 1-based step count for bias correction */
+  double lr;         /* learning rate for this step (from lr_at) */
+  double grad_scale; /* multiplies the gradient first: 1/loss_scale * clip coefficient */
   cai_device device;
   void* stream;
 } cai_optim_update_args;
@@ -88,8 +88,8 @@ typedef struct cai_loss_scaler_state {
   size_t struct_size;
   cai_extension_base* extension_start;
   double scale;
-  int64_t clean_steps;        /* consecutive steps without overflow */
-  int64_t overflows_left;     /* overflows still tolerated before the next backoff */
+  int64_t clean_steps;    /* consecutive steps without overflow */
+  int64_t overflows_left; /* overflows still tolerated before the next backoff */
 } cai_loss_scaler_state;
 #define CAI_LOSS_SCALER_STATE_STRUCT_SIZE CAI_STRUCT_SIZE(cai_loss_scaler_state, overflows_left)
 

@@ -46,8 +46,8 @@ typedef struct cai_checkpoint_api {
    * dtype is converted when they differ. offset/count select elements [offset, offset+count)
    * of the flattened tensor so a rank reads only its shard (count 0 = all). NOT_FOUND names
    * the missing entry. */
-  cai_status* (*read_tensor)(cai_checkpoint* ckpt, const char* name, int64_t offset,
-                             int64_t count, const cai_tensor* dst);
+  cai_status* (*read_tensor)(cai_checkpoint* ckpt, const char* name, int64_t offset, int64_t count,
+                             const cai_tensor* dst);
   cai_status* (*tensor_info)(cai_checkpoint* ckpt, const char* name, cai_ckpt_tensor_info* out);
   /* Small UTF-8 metadata (JSON or TOML text of the plugin's choice). The read string lives
    * until the checkpoint call returns. */
@@ -67,7 +67,7 @@ typedef struct cai_host_api {
   cai_extension_base* extension_start;
   uint32_t abi_major;
   uint32_t abi_minor;
-  const char* host_version;   /* "0.1.0" */
+  const char* host_version; /* "0.1.0" */
 
   /* Statuses: the message is copied; status_message lives as long as the status. */
   cai_status* (*status_create)(cai_status_code code, const char* message, size_t length);
@@ -116,8 +116,8 @@ enum { CAI_PRECISION_FP32 = 0, CAI_PRECISION_BF16 = 1, CAI_PRECISION_FP16 = 2 };
 typedef struct cai_create_args {
   size_t struct_size;
   cai_extension_base* extension_start;
-  const cai_config* config;   /* the plugin's validated table; valid until destroy */
-  int32_t rank;               /* world rank and size, for logs */
+  const cai_config* config; /* the plugin's validated table; valid until destroy */
+  int32_t rank;             /* world rank and size, for logs */
   int32_t world_size;
 } cai_create_args;
 #define CAI_CREATE_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_create_args, world_size)
@@ -125,20 +125,20 @@ typedef struct cai_create_args {
 typedef struct cai_boost_args {
   size_t struct_size;
   cai_extension_base* extension_start;
-  cai_model* model;           /* valid until destroy */
-  cai_optimizer* optimizer;   /* valid until destroy */
-  cai_precision precision;    /* the job's train.precision */
-  int32_t grad_accumulation;  /* micro-batches per optimizer step (>= 1) */
+  cai_model* model;          /* valid until destroy */
+  cai_optimizer* optimizer;  /* valid until destroy */
+  cai_precision precision;   /* the job's train.precision */
+  int32_t grad_accumulation; /* micro-batches per optimizer step (>= 1) */
 } cai_boost_args;
 #define CAI_BOOST_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_boost_args, grad_accumulation)
 
 typedef struct cai_micro_batch {
   size_t struct_size;
   cai_extension_base* extension_start;
-  const cai_tensor* tokens;   /* [batch, seq] int64, host memory */
-  const cai_tensor* targets;  /* [batch, seq] int64, -1 = ignored */
-  double loss_weight;         /* this micro-batch's share of the step's mean (1/accumulation) */
-  double* loss;               /* out: this rank's mean loss on the micro-batch */
+  const cai_tensor* tokens;  /* [batch, seq] int64, host memory */
+  const cai_tensor* targets; /* [batch, seq] int64, -1 = ignored */
+  double loss_weight;        /* this micro-batch's share of the step's mean (1/accumulation) */
+  double* loss;              /* out: this rank's mean loss on the micro-batch */
 } cai_micro_batch;
 #define CAI_MICRO_BATCH_STRUCT_SIZE CAI_STRUCT_SIZE(cai_micro_batch, loss)
 
@@ -147,17 +147,17 @@ typedef struct cai_pipeline_args {
   cai_extension_base* extension_start;
   const cai_micro_batch* micro_batches;
   int32_t num_micro_batches;
-  double* loss;               /* out: mean over micro-batches (valid on every rank) */
+  double* loss; /* out: mean over micro-batches (valid on every rank) */
 } cai_pipeline_args;
 #define CAI_PIPELINE_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_pipeline_args, loss)
 
 typedef struct cai_step_result {
   size_t struct_size;
   cai_extension_base* extension_start;
-  bool skipped;               /* overflow: parameters unchanged on every rank */
-  double grad_norm;           /* global gradient norm before clipping (unscaled) */
-  double loss_scale;          /* scale in force for the next step (1 without fp16) */
-  double lr;                  /* learning rate applied (group 0) */
+  bool skipped;      /* overflow: parameters unchanged on every rank */
+  double grad_norm;  /* global gradient norm before clipping (unscaled) */
+  double loss_scale; /* scale in force for the next step (1 without fp16) */
+  double lr;         /* learning rate applied (group 0) */
 } cai_step_result;
 #define CAI_STEP_RESULT_STRUCT_SIZE CAI_STRUCT_SIZE(cai_step_result, lr)
 
@@ -165,19 +165,19 @@ typedef struct cai_checkpoint_args {
   size_t struct_size;
   cai_extension_base* extension_start;
   cai_checkpoint* checkpoint;
-  bool model;                 /* save/load model weights */
-  bool optimizer;             /* save/load optimizer state (and loss scaler) */
+  bool model;     /* save/load model weights */
+  bool optimizer; /* save/load optimizer state (and loss scaler) */
 } cai_checkpoint_args;
 #define CAI_CHECKPOINT_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_checkpoint_args, optimizer)
 
 typedef struct cai_strategy_stats {
   size_t struct_size;
   cai_extension_base* extension_start;
-  uint64_t param_bytes;       /* model parameters this rank holds now (all tiers) */
+  uint64_t param_bytes; /* model parameters this rank holds now (all tiers) */
   uint64_t grad_bytes;
   uint64_t optimizer_state_bytes;
-  uint64_t master_bytes;      /* fp32 master copies under mixed precision */
-  double overlap_ratio;       /* share of communication hidden behind compute, 0..1 */
+  uint64_t master_bytes; /* fp32 master copies under mixed precision */
+  double overlap_ratio;  /* share of communication hidden behind compute, 0..1 */
 } cai_strategy_stats;
 #define CAI_STRATEGY_STATS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_strategy_stats, overlap_ratio)
 
@@ -204,20 +204,20 @@ typedef struct cai_memory_estimate {
   uint64_t grad_bytes;
   uint64_t optimizer_state_bytes;
   uint64_t master_bytes;
-  uint64_t device_bytes;      /* of the above, held on the device tier */
-  uint64_t host_bytes;        /* of the above, held on host tiers (offload) */
-  const char* formula;        /* static text, e.g. "(2+2+12)Ψ/N" */
+  uint64_t device_bytes; /* of the above, held on the device tier */
+  uint64_t host_bytes;   /* of the above, held on host tiers (offload) */
+  const char* formula;   /* static text, e.g. "(2+2+12)Ψ/N" */
 } cai_memory_estimate;
 #define CAI_MEMORY_ESTIMATE_STRUCT_SIZE CAI_STRUCT_SIZE(cai_memory_estimate, formula)
 
 typedef struct cai_plugin_api {
   size_t struct_size;
   cai_extension_base* extension_start;
-  const char* name;           /* equals the manifest's plugin.name */
-  const char* version;        /* the plugin's own version */
-  uint64_t capabilities;      /* CAI_CAP_* */
-  const cai_config_key* config_keys;   /* the schema of [plugin.<name>]; elements lie
-                                          config_keys[0].struct_size bytes apart */
+  const char* name;                  /* equals the manifest's plugin.name */
+  const char* version;               /* the plugin's own version */
+  uint64_t capabilities;             /* CAI_CAP_* */
+  const cai_config_key* config_keys; /* the schema of [plugin.<name>]; elements lie
+                                        config_keys[0].struct_size bytes apart */
   size_t num_config_keys;
 
   /* Required. create makes an instance from the validated config; destroy accepts NULL. */
@@ -263,13 +263,13 @@ typedef struct cai_plugin_api {
 typedef struct cai_plugin_init_args {
   size_t struct_size;
   cai_extension_base* extension_start;
-  uint32_t host_abi_major;          /* in */
-  uint32_t host_abi_minor;          /* in */
-  const cai_host_api* host;         /* in: valid for the process lifetime */
-  const char* plugin_dir;           /* in: directory of the manifest, valid during the call */
-  uint32_t plugin_abi_minor;        /* out: CAI_ABI_MINOR the plugin was built with */
-  uint32_t plugin_min_host_minor;   /* out: CAI_TARGET_ABI_MINOR: oldest host minor it needs */
-  const cai_plugin_api* plugin;     /* out: static table, valid for the process lifetime */
+  uint32_t host_abi_major;        /* in */
+  uint32_t host_abi_minor;        /* in */
+  const cai_host_api* host;       /* in: valid for the process lifetime */
+  const char* plugin_dir;         /* in: directory of the manifest, valid during the call */
+  uint32_t plugin_abi_minor;      /* out: CAI_ABI_MINOR the plugin was built with */
+  uint32_t plugin_min_host_minor; /* out: CAI_TARGET_ABI_MINOR: oldest host minor it needs */
+  const cai_plugin_api* plugin;   /* out: static table, valid for the process lifetime */
 } cai_plugin_init_args;
 #define CAI_PLUGIN_INIT_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_plugin_init_args, plugin)
 

@@ -31,8 +31,8 @@ size_t ParseBytes(const std::string& text) {
   if (unit == "K" || unit == "KiB") return value << 10;
   if (unit == "M" || unit == "MiB") return value << 20;
   if (unit == "G" || unit == "GiB") return value << 30;
-  throw Error(CAI_INVALID_ARGUMENT, "unknown size unit '" + unit + "' in '" + text +
-                                        "' (use K, M or G)");
+  throw Error(CAI_INVALID_ARGUMENT,
+              "unknown size unit '" + unit + "' in '" + text + "' (use K, M or G)");
 }
 
 }  // namespace

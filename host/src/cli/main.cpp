@@ -1,10 +1,11 @@
 // The `cai` command line (DESIGN.md, "The command line contract").
+#include <unistd.h>
+
 #include <cstdio>
 #include <iostream>
 #include <span>
 #include <string>
 #include <string_view>
-#include <unistd.h>
 #include <vector>
 
 #include "cli/bench_command.h"

@@ -5,10 +5,10 @@
 #include <sstream>
 
 #include "cai/conformance.hpp"
-#include "services/host_table.h"
 #include "core/json.h"
 #include "core/status.h"
 #include "loader/registry.h"
+#include "services/host_table.h"
 
 namespace cai {
 namespace {
@@ -22,10 +22,10 @@ int List(const GlobalOptions& options, bool json, std::ostream& out) {
       const PluginRecord& r = records[i];
       const bool ok = r.error.empty();
       out << (i ? ",\n " : "\n ") << "{\"name\": " << JsonQuote(ok ? r.manifest.name : "")
-          << ", \"version\": " << JsonQuote(ok ? r.manifest.version : "")
-          << ", \"abi\": " << JsonQuote(ok ? std::to_string(r.manifest.abi_major) + "." +
-                                                   std::to_string(r.manifest.min_host_minor) + "+"
-                                             : "")
+          << ", \"version\": " << JsonQuote(ok ? r.manifest.version : "") << ", \"abi\": "
+          << JsonQuote(ok ? std::to_string(r.manifest.abi_major) + "." +
+                                std::to_string(r.manifest.min_host_minor) + "+"
+                          : "")
           << ", \"path\": " << JsonQuote(r.manifest_path.string())
           << ", \"found_in\": " << JsonQuote(r.found_in)
           << ", \"status\": " << JsonQuote(ok ? "ok" : "broken")
@@ -35,7 +35,8 @@ int List(const GlobalOptions& options, bool json, std::ostream& out) {
     out << (records.empty() ? "]\n" : "\n]\n");
   } else {
     out << std::left << std::setw(20) << "NAME" << std::setw(10) << "VERSION" << std::setw(8)
-        << "ABI" << std::setw(8) << "STATUS" << "PATH\n";
+        << "ABI" << std::setw(8) << "STATUS"
+        << "PATH\n";
     for (const PluginRecord& r : records) {
       const bool ok = r.error.empty();
       out << std::left << std::setw(20) << (ok ? r.manifest.name : "?") << std::setw(10)
@@ -68,14 +69,15 @@ int Info(const GlobalOptions& options, const std::string& name, std::ostream& ou
   }
   if (!found) {
     for (const PluginRecord& r : records) {
-      if (!r.error.empty() && r.manifest.name == name) throw Error(CAI_FAILED_PRECONDITION, r.error);
+      if (!r.error.empty() && r.manifest.name == name)
+        throw Error(CAI_FAILED_PRECONDITION, r.error);
     }
     std::string available;
     for (auto n : names) available += (available.empty() ? "" : ", ") + std::string(n);
-    throw Error(CAI_NOT_FOUND, "no plugin named '" + name + "'" +
-                                   (available.empty() ? "; no plugins found"
-                                                      : "; available: " + available) +
-                                   ". Run `cai plugins list` to see where cai looked");
+    throw Error(CAI_NOT_FOUND,
+                "no plugin named '" + name + "'" +
+                    (available.empty() ? "; no plugins found" : "; available: " + available) +
+                    ". Run `cai plugins list` to see where cai looked");
   }
   const LoadedPlugin& plugin = LoadPlugin(found->manifest, HostServicesTable());
   const Manifest& m = plugin.manifest;
@@ -129,11 +131,13 @@ int RunPluginsCommand(const GlobalOptions& options, std::span<const std::string>
     return List(options, args.size() == 2, out);
   }
   if (args[0] == "info") {
-    if (args.size() != 2) throw Error(CAI_INVALID_ARGUMENT, "'plugins info' takes a NAME; " + usage);
+    if (args.size() != 2)
+      throw Error(CAI_INVALID_ARGUMENT, "'plugins info' takes a NAME; " + usage);
     return Info(options, args[1], out);
   }
   if (args[0] == "check") {
-    if (args.size() != 2) throw Error(CAI_INVALID_ARGUMENT, "'plugins check' takes a PATH; " + usage);
+    if (args.size() != 2)
+      throw Error(CAI_INVALID_ARGUMENT, "'plugins check' takes a PATH; " + usage);
     auto results = conformance::Run(args[1], HostServicesTable());
     return conformance::Report(results, out) ? 0 : 1;
   }

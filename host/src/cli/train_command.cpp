@@ -76,9 +76,9 @@ int RunTrainCommand(const GlobalOptions& options, std::span<const std::string> a
     }
   }
   if (train.job_file.empty()) {
-    throw Error(CAI_INVALID_ARGUMENT,
-                "no job file given; the default job is examples/default.toml\n" +
-                    std::string(kTrainUsage));
+    throw Error(
+        CAI_INVALID_ARGUMENT,
+        "no job file given; the default job is examples/default.toml\n" + std::string(kTrainUsage));
   }
   return RunTrain(train);
 }
@@ -95,8 +95,9 @@ int RunPlanCommand(const GlobalOptions& options, std::span<const std::string> ar
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
-      std::cout << usage << "\n\nParameters, per-rank model-state memory of each strategy (ZeRO "
-                            "formulas) and the strategy plugin.name = \"auto\" would pick.\n";
+      std::cout << usage
+                << "\n\nParameters, per-rank model-state memory of each strategy (ZeRO "
+                   "formulas) and the strategy plugin.name = \"auto\" would pick.\n";
       return 0;
     } else if (a == "--nproc" && i + 1 < args.size()) {
       nproc = launch::ParseNproc(args[++i]);

@@ -62,15 +62,14 @@ int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
     const bool print = comm->rank() == 0;
     char line[160];
     if (print) {
-      out << "# cai comm benchmark: " << n << " ranks, float32, sum, "
-          << comm->BackendInfo(nullptr) << "\n";
+      out << "# cai comm benchmark: " << n << " ranks, float32, sum, " << comm->BackendInfo(nullptr)
+          << "\n";
       std::snprintf(line, sizeof(line), "#%13s %12s %8s %6s %15s %12s %12s %12s\n", "size(B)",
                     "count", "type", "redop", "op", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
       out << line;
     }
     for (cai_comm_op op : options.ops) {
-      for (size_t bytes = options.min_bytes; bytes <= options.max_bytes;
-           bytes *= options.factor) {
+      for (size_t bytes = options.min_bytes; bytes <= options.max_bytes; bytes *= options.factor) {
         // Whole-buffer element count, rounded down to a multiple of n so every op can split it.
         const size_t count = std::max<size_t>(n, bytes / sizeof(float) / n * n);
         const size_t part = count / n;
@@ -96,14 +95,13 @@ int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
         comm->RunSync(barrier);
         const auto start = std::chrono::steady_clock::now();
         for (int i = 0; i < iters; ++i) comm->RunSync(args);
-        std::vector<double> seconds(1, std::chrono::duration<double>(
-                                           std::chrono::steady_clock::now() - start)
-                                           .count() /
-                                           iters);
+        std::vector<double> seconds(
+            1, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
+                   iters);
         // The slowest rank's time is the collective's time.
         int64_t one = 1, stride = 1;
-        cai_tensor t{seconds.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_FLOAT, 64, 1},
-                     &one,           &stride,             0};
+        cai_tensor t{
+            seconds.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_FLOAT, 64, 1}, &one, &stride, 0};
         cai_comm_args max_args{};
         max_args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
         max_args.op = CAI_COMM_ALL_REDUCE;
@@ -113,13 +111,13 @@ int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
         if (print) {
           const double size = static_cast<double>(count * sizeof(float));
           const double algbw = size / seconds[0] / 1e9;
-          std::snprintf(line, sizeof(line), "%14zu %12zu %8s %6s %15s %12.1f %12.3f %12.3f\n",
-                        count * sizeof(float), count, "float",
-                        (op == CAI_COMM_ALL_REDUCE || op == CAI_COMM_REDUCE_SCATTER ||
-                         op == CAI_COMM_REDUCE)
-                            ? "sum"
-                            : "none",
-                        CommOpName(op), seconds[0] * 1e6, algbw, algbw * BusFactor(op, n));
+          std::snprintf(
+              line, sizeof(line), "%14zu %12zu %8s %6s %15s %12.1f %12.3f %12.3f\n",
+              count * sizeof(float), count, "float",
+              (op == CAI_COMM_ALL_REDUCE || op == CAI_COMM_REDUCE_SCATTER || op == CAI_COMM_REDUCE)
+                  ? "sum"
+                  : "none",
+              CommOpName(op), seconds[0] * 1e6, algbw, algbw * BusFactor(op, n));
           out << line << std::flush;
         }
       }

@@ -30,6 +30,10 @@
 #include "comm/communicator.h"
 
 #include <arpa/inet.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/transport/tcp/device.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -45,11 +49,6 @@
 #include <thread>
 #include <utility>
 #include <vector>
-
-#include <gloo/common/error.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/prefix_store.h>
-#include <gloo/transport/tcp/device.h>
 
 #include "comm/gloo_ops.h"
 #include "comm/store.h"
@@ -130,8 +129,8 @@ struct cai_comm_group {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::shared_ptr<WorkState>> queue;
-  std::deque<std::pair<std::shared_ptr<WorkState>,
-                       std::unique_ptr<gloo::transport::UnboundBuffer>>> p2p;
+  std::deque<std::pair<std::shared_ptr<WorkState>, std::unique_ptr<gloo::transport::UnboundBuffer>>>
+      p2p;
   std::condition_variable p2p_cv;
   bool stopping = false;
   uint64_t issued = 0;  // collectives issued so far
@@ -193,9 +192,9 @@ class ProgressBoard {
       }
       const uint64_t last = value ? std::stoull(*value) : 0;
       if (last >= seq) continue;
-      out.push_back(group.RankName(r) + (last == 0 ? " has not started any collective"
-                                                   : " is still at collective #" +
-                                                         std::to_string(last)));
+      out.push_back(group.RankName(r) + (last == 0
+                                             ? " has not started any collective"
+                                             : " is still at collective #" + std::to_string(last)));
     }
     return out;
   }
@@ -280,20 +279,20 @@ Buffer ToBuffer(const cai_tensor* t, const std::string& where) {
   Buffer b;
   b.dtype = ToDType(t->dtype, where);
   if (t->device.device_type != CAI_DEVICE_CPU && t->device.device_type != CAI_DEVICE_CUDA_HOST) {
-    throw Error(CAI_UNIMPLEMENTED,
-                where + " is on device type " + std::to_string(t->device.device_type) +
-                    "; this communicator runs Gloo and takes host memory only");
+    throw Error(CAI_UNIMPLEMENTED, where + " is on device type " +
+                                       std::to_string(t->device.device_type) +
+                                       "; this communicator runs Gloo and takes host memory only");
   }
   if (t->ndim < 0 || (t->ndim > 0 && (t->shape == nullptr || t->strides == nullptr))) {
-    throw Error(CAI_INVALID_ARGUMENT, where + " has ndim " + std::to_string(t->ndim) +
-                                          " but no shape or strides");
+    throw Error(CAI_INVALID_ARGUMENT,
+                where + " has ndim " + std::to_string(t->ndim) + " but no shape or strides");
   }
   int64_t numel = 1;
   int64_t expected_stride = 1;
   for (int d = t->ndim - 1; d >= 0; --d) {
     if (t->shape[d] < 0) {
-      throw Error(CAI_INVALID_ARGUMENT, where + " has a negative extent in dimension " +
-                                            std::to_string(d));
+      throw Error(CAI_INVALID_ARGUMENT,
+                  where + " has a negative extent in dimension " + std::to_string(d));
     }
     if (t->shape[d] != 1 && t->strides[d] != expected_stride) {
       throw Error(CAI_INVALID_ARGUMENT, where + " is not contiguous (dimension " +
@@ -305,8 +304,8 @@ Buffer ToBuffer(const cai_tensor* t, const std::string& where) {
     numel *= t->shape[d];
   }
   if (t->data == nullptr && numel > 0) {
-    throw Error(CAI_INVALID_ARGUMENT, where + " has " + std::to_string(numel) +
-                                          " elements but a NULL data pointer");
+    throw Error(CAI_INVALID_ARGUMENT,
+                where + " has " + std::to_string(numel) + " elements but a NULL data pointer");
   }
   b.numel = static_cast<size_t>(numel);
   b.data = static_cast<std::byte*>(t->data) + t->byte_offset;
@@ -373,14 +372,13 @@ class Communicator::Impl {
                                               std::to_string(options_.world_size));
       }
       if (!seen.insert(r).second) {
-        throw Error(CAI_INVALID_ARGUMENT, "new_group: rank " + std::to_string(r) +
-                                              " is listed twice");
+        throw Error(CAI_INVALID_ARGUMENT,
+                    "new_group: rank " + std::to_string(r) + " is listed twice");
       }
     }
     std::string name;
     for (int32_t r : ranks) name += (name.empty() ? "" : ",") + std::to_string(r);
-    return CreateGroup(ranks, "group " + std::to_string(next_group_id_.load()) + " [" + name +
-                                  "]");
+    return CreateGroup(ranks, "group " + std::to_string(next_group_id_.load()) + " [" + name + "]");
   }
 
   void DestroyGroup(cai_comm_group* g) {
@@ -417,8 +415,7 @@ class Communicator::Impl {
     spec.reduce = args.reduce_op;
     spec.root = args.root;
     spec.peer = args.peer;
-    spec.timeout =
-        args.timeout_ms > 0 ? std::chrono::milliseconds(args.timeout_ms) : g->timeout;
+    spec.timeout = args.timeout_ms > 0 ? std::chrono::milliseconds(args.timeout_ms) : g->timeout;
     const std::string op = CommOpName(args.op);
     const std::string where = op + " on group '" + g->name + "'";
     if (args.timeout_ms < 0) {
@@ -430,8 +427,8 @@ class Communicator::Impl {
     auto check_root = [&] {
       if (args.root < 0 || args.root >= g->size) {
         throw Error(CAI_INVALID_ARGUMENT, where + ": root " + std::to_string(args.root) +
-                                              " is not a rank of this " +
-                                              std::to_string(g->size) + "-rank group");
+                                              " is not a rank of this " + std::to_string(g->size) +
+                                              "-rank group");
       }
     };
     auto check_reduce = [&] {
@@ -444,10 +441,9 @@ class Communicator::Impl {
       spec.input = ToBuffer(args.input, where + ": input");
       spec.output = ToBuffer(args.output, where + ": output");
       if (spec.input.dtype != spec.output.dtype) {
-        throw Error(CAI_INVALID_ARGUMENT, where + ": input is " +
-                                              comm::DTypeName(spec.input.dtype) +
-                                              " but output is " +
-                                              comm::DTypeName(spec.output.dtype));
+        throw Error(CAI_INVALID_ARGUMENT,
+                    where + ": input is " + comm::DTypeName(spec.input.dtype) + " but output is " +
+                        comm::DTypeName(spec.output.dtype));
       }
     };
     uint64_t counted = 0;
@@ -493,10 +489,10 @@ class Communicator::Impl {
         both();
         if (spec.input.numel != spec.output.numel || spec.input.numel % n != 0) {
           throw Error(CAI_INVALID_ARGUMENT, where + ": input (" + Numel(spec.input) +
-                                                " elements) and output (" +
-                                                Numel(spec.output) +
+                                                " elements) and output (" + Numel(spec.output) +
                                                 ") must be equal and divisible by the group "
-                                                "size " + std::to_string(n));
+                                                "size " +
+                                                std::to_string(n));
         }
         counted = spec.input.bytes();
         break;
@@ -594,14 +590,13 @@ class Communicator::Impl {
     } catch (const Error&) {
       std::string missing;
       for (const auto& key : store_->Missing(keys)) {
-        missing += (missing.empty() ? "" : ", ") +
-                   g.RankName(std::stoi(key.substr(prefix.size())));
+        missing += (missing.empty() ? "" : ", ") + g.RankName(std::stoi(key.substr(prefix.size())));
       }
       throw Error(CAI_DEADLINE_EXCEEDED,
                   "rendezvous of group '" + g.name + "' at " + options_.master_addr + ":" +
                       std::to_string(options_.master_port) + " timed out after " +
-                      std::to_string(options_.timeout.count()) + " ms on " +
-                      g.RankName(g.rank) + ": " + missing + " did not join");
+                      std::to_string(options_.timeout.count()) + " ms on " + g.RankName(g.rank) +
+                      ": " + missing + " did not join");
     }
   }
 
@@ -617,8 +612,7 @@ class Communicator::Impl {
   // Gloo reports everything as gloo::Exception; its message tells a timeout from a peer that
   // went away.
   static cai_status_code Classify(const std::string& what) {
-    if (what.find("Timed out") != std::string::npos ||
-        what.find("imeout") != std::string::npos) {
+    if (what.find("Timed out") != std::string::npos || what.find("imeout") != std::string::npos) {
       return CAI_DEADLINE_EXCEEDED;
     }
     if (what.find("closed") != std::string::npos || what.find("reset") != std::string::npos) {
@@ -675,9 +669,8 @@ class Communicator::Impl {
           for (const auto& l : progress_->Laggards(g, w->seq)) {
             laggards += (laggards.empty() ? "" : "; ") + l;
           }
-          message += laggards.empty()
-                         ? "; every rank started it, so a peer stalled inside it"
-                         : "; " + laggards;
+          message += laggards.empty() ? "; every rank started it, so a peer stalled inside it"
+                                      : "; " + laggards;
           message += " [gloo: " + std::string(e.what()) + "]";
         }
         Fail(g, *w, code, message);
@@ -691,9 +684,7 @@ class Communicator::Impl {
       std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
       {
         std::unique_lock<std::mutex> lock(g.mu);
-        g.p2p_cv.wait(lock, [&] {
-          return !g.p2p.empty() || (g.stopping && g.queue.empty());
-        });
+        g.p2p_cv.wait(lock, [&] { return !g.p2p.empty() || (g.stopping && g.queue.empty()); });
         if (g.p2p.empty()) return;
         std::tie(w, buffer) = std::move(g.p2p.front());
         g.p2p.pop_front();
@@ -705,10 +696,9 @@ class Communicator::Impl {
         const cai_status_code code = Classify(e.what());
         std::string message = e.what();
         if (code == CAI_DEADLINE_EXCEEDED) {
-          message = "timed out after " + std::to_string(w->spec.timeout.count()) + " ms: " +
-                    g.RankName(w->spec.peer) + " did not post the matching " +
-                    (w->spec.op == CAI_COMM_SEND ? "recv" : "send") + " [gloo: " + e.what() +
-                    "]";
+          message = "timed out after " + std::to_string(w->spec.timeout.count()) +
+                    " ms: " + g.RankName(w->spec.peer) + " did not post the matching " +
+                    (w->spec.op == CAI_COMM_SEND ? "recv" : "send") + " [gloo: " + e.what() + "]";
         }
         Fail(g, *w, code, message);
       }
@@ -756,12 +746,8 @@ void Communicator::Shutdown() {
 int Communicator::rank() const { return impl_->options().rank; }
 int Communicator::world_size() const { return impl_->options().world_size; }
 cai_comm_group* Communicator::world() { return impl_->world(); }
-int Communicator::GroupRank(const cai_comm_group* group) const {
-  return impl_->Group(group)->rank;
-}
-int Communicator::GroupSize(const cai_comm_group* group) const {
-  return impl_->Group(group)->size;
-}
+int Communicator::GroupRank(const cai_comm_group* group) const { return impl_->Group(group)->rank; }
+int Communicator::GroupSize(const cai_comm_group* group) const { return impl_->Group(group)->size; }
 
 cai_comm_group* Communicator::NewGroup(std::span<const int32_t> world_ranks) {
   return impl_->NewGroup(world_ranks);

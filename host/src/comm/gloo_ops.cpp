@@ -1,12 +1,5 @@
 #include "comm/gloo_ops.h"
 
-#include <algorithm>
-#include <bit>
-#include <cmath>
-#include <cstring>
-#include <functional>
-#include <vector>
-
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/alltoall.h>
@@ -15,6 +8,13 @@
 #include <gloo/common/error.h>
 #include <gloo/reduce.h>
 #include <gloo/types.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
 
 namespace cai::comm {
 
@@ -37,13 +37,20 @@ size_t DTypeSize(DType dtype) {
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "float32";
-    case DType::kF64: return "float64";
-    case DType::kBF16: return "bfloat16";
-    case DType::kF16: return "float16";
-    case DType::kI32: return "int32";
-    case DType::kI64: return "int64";
-    case DType::kU8: return "uint8";
+    case DType::kF32:
+      return "float32";
+    case DType::kF64:
+      return "float64";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF16:
+      return "float16";
+    case DType::kI32:
+      return "int32";
+    case DType::kI64:
+      return "int64";
+    case DType::kU8:
+      return "uint8";
   }
   return "?";
 }
@@ -57,8 +64,12 @@ constexpr uint8_t kPointToPointSlotPrefix = 0x41;
 
 // Half-precision types are reduced in fp32 and rounded once per pairwise step, as NCCL does
 // on the wire for bf16/fp16 (comm.h: "reduced in fp32 precision where the backend cannot").
-struct Bf16 { uint16_t bits; };
-struct F16 { uint16_t bits; };
+struct Bf16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
 
 float ToFloat(Bf16 v) { return std::bit_cast<float>(static_cast<uint32_t>(v.bits) << 16); }
 
@@ -90,8 +101,8 @@ F16 FromFloat(float f, F16) {
   if (std::isnan(f)) return F16{static_cast<uint16_t>(sign | 0x7e00)};
   if (magnitude >= 65520.0f) return F16{static_cast<uint16_t>(sign | 0x7c00)};  // overflow
   if (magnitude < 6.103515625e-05f) {  // subnormal range: units of 2^-24, rint ties to even
-    return F16{static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(
-                                                std::ldexp(magnitude, 24))))};
+    return F16{static_cast<uint16_t>(
+        sign | static_cast<uint16_t>(std::nearbyint(std::ldexp(magnitude, 24))))};
   }
   uint32_t m = u & 0x7fffffff;
   m += 0xfff + ((m >> 13) & 1);  // round the 13 dropped bits to nearest even
@@ -162,13 +173,20 @@ void DivideInPlace(void* data, size_t n, int divisor) {
 template <class Fn>
 decltype(auto) Dispatch(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case DType::kF32: return fn(float{});
-    case DType::kF64: return fn(double{});
-    case DType::kBF16: return fn(Bf16{});
-    case DType::kF16: return fn(F16{});
-    case DType::kI32: return fn(int32_t{});
-    case DType::kI64: return fn(int64_t{});
-    case DType::kU8: return fn(uint8_t{});
+    case DType::kF32:
+      return fn(float{});
+    case DType::kF64:
+      return fn(double{});
+    case DType::kBF16:
+      return fn(Bf16{});
+    case DType::kF16:
+      return fn(F16{});
+    case DType::kI32:
+      return fn(int32_t{});
+    case DType::kI64:
+      return fn(int64_t{});
+    case DType::kU8:
+      return fn(uint8_t{});
   }
   return fn(uint8_t{});
 }
@@ -178,23 +196,32 @@ ReduceFn ReduceFor(DType dtype, cai_reduce_op op) {
 }
 
 void Average(const Buffer& buffer, int group_size) {
-  Dispatch(buffer.dtype, [&](auto t) {
-    DivideInPlace<decltype(t)>(buffer.data, buffer.numel, group_size);
-  });
+  Dispatch(buffer.dtype,
+           [&](auto t) { DivideInPlace<decltype(t)>(buffer.data, buffer.numel, group_size); });
 }
 
 // Gloo's option classes take the element type as a template argument only for its size; an
 // opaque element of the right size lets one code path serve every dtype.
 template <size_t N>
-struct Element { std::byte b[N]; };
+struct Element {
+  std::byte b[N];
+};
 
 template <class Fn>
 void WithElementSize(size_t size, Fn&& fn) {
   switch (size) {
-    case 1: fn(Element<1>{}); break;
-    case 2: fn(Element<2>{}); break;
-    case 4: fn(Element<4>{}); break;
-    default: fn(Element<8>{}); break;
+    case 1:
+      fn(Element<1>{});
+      break;
+    case 2:
+      fn(Element<2>{});
+      break;
+    case 4:
+      fn(Element<4>{});
+      break;
+    default:
+      fn(Element<8>{});
+      break;
   }
 }
 
@@ -250,8 +277,7 @@ void ReduceScatter(gloo::Context& context, const OpSpec& spec) {
   const size_t segment = std::max(element, kSegmentBytes / element * element);
 
   std::vector<std::byte> scratch(n > 2 ? 2 * chunk_bytes : 0);
-  auto input_buffer =
-      context.createUnboundBuffer(const_cast<std::byte*>(in), spec.input.bytes());
+  auto input_buffer = context.createUnboundBuffer(const_cast<std::byte*>(in), spec.input.bytes());
   auto output_buffer = context.createUnboundBuffer(spec.output.data, chunk_bytes);
   std::unique_ptr<gloo::transport::UnboundBuffer> scratch_buffers[2];
   if (n > 2) {

@@ -1,13 +1,13 @@
 // The collectives of cai_comm_op on a Gloo context: what runs on a group's worker thread.
 #pragma once
 
+#include <gloo/context.h>
+#include <gloo/transport/unbound_buffer.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-
-#include <gloo/context.h>
-#include <gloo/transport/unbound_buffer.h>
 
 #include "cai/comm.h"
 

@@ -15,9 +15,8 @@ namespace {
 
 void Check(ncclResult_t result, const char* what) {
   if (result != ncclSuccess) {
-    throw Error(result == ncclInvalidArgument || result == ncclInvalidUsage
-                    ? CAI_INVALID_ARGUMENT
-                    : CAI_INTERNAL,
+    throw Error(result == ncclInvalidArgument || result == ncclInvalidUsage ? CAI_INVALID_ARGUMENT
+                                                                            : CAI_INTERNAL,
                 std::string(what) + " failed: " + ncclGetErrorString(result));
   }
 }
@@ -46,11 +45,16 @@ size_t ElementSize(cai_dtype d) { return d.bits / 8; }
 
 ncclRedOp_t ToNccl(cai_reduce_op op) {
   switch (op) {
-    case CAI_REDUCE_SUM: return ncclSum;
-    case CAI_REDUCE_AVG: return ncclAvg;
-    case CAI_REDUCE_MAX: return ncclMax;
-    case CAI_REDUCE_MIN: return ncclMin;
-    case CAI_REDUCE_PRODUCT: return ncclProd;
+    case CAI_REDUCE_SUM:
+      return ncclSum;
+    case CAI_REDUCE_AVG:
+      return ncclAvg;
+    case CAI_REDUCE_MAX:
+      return ncclMax;
+    case CAI_REDUCE_MIN:
+      return ncclMin;
+    case CAI_REDUCE_PRODUCT:
+      return ncclProd;
   }
   throw Error(CAI_INVALID_ARGUMENT, "nccl: unknown reduce op " + std::to_string(op));
 }
@@ -101,8 +105,8 @@ void NcclCommunicator::AllReduce(const void* in, void* out, size_t count, cai_dt
         "ncclAllReduce");
 }
 
-void NcclCommunicator::ReduceScatter(const void* in, void* out, size_t out_count,
-                                     cai_dtype dtype, cai_reduce_op op, void* stream) {
+void NcclCommunicator::ReduceScatter(const void* in, void* out, size_t out_count, cai_dtype dtype,
+                                     cai_reduce_op op, void* stream) {
   Check(ncclReduceScatter(in, out, out_count, ToNccl(dtype), ToNccl(op), state_->comm,
                           Stream(stream)),
         "ncclReduceScatter");
@@ -127,8 +131,8 @@ void NcclCommunicator::Reduce(void* buffer, size_t count, cai_dtype dtype, cai_r
         "ncclReduce");
 }
 
-void NcclCommunicator::AllToAll(const void* in, void* out, size_t count_per_rank,
-                                cai_dtype dtype, void* stream) {
+void NcclCommunicator::AllToAll(const void* in, void* out, size_t count_per_rank, cai_dtype dtype,
+                                void* stream) {
   const size_t chunk = count_per_rank * ElementSize(dtype);
   const auto* src = static_cast<const char*>(in);
   auto* dst = static_cast<char*>(out);
@@ -144,8 +148,7 @@ void NcclCommunicator::AllToAll(const void* in, void* out, size_t count_per_rank
   Check(ncclGroupEnd(), "ncclGroupEnd");
 }
 
-void NcclCommunicator::Send(const void* in, size_t count, cai_dtype dtype, int peer,
-                            void* stream) {
+void NcclCommunicator::Send(const void* in, size_t count, cai_dtype dtype, int peer, void* stream) {
   Check(ncclSend(in, count, ToNccl(dtype), peer, state_->comm, Stream(stream)), "ncclSend");
 }
 

@@ -30,8 +30,8 @@ class NcclCommunicator {
   // `stream` is a cudaStream_t; counts are in elements of `dtype`.
   void AllReduce(const void* in, void* out, size_t count, cai_dtype dtype, cai_reduce_op op,
                  void* stream);
-  void ReduceScatter(const void* in, void* out, size_t out_count, cai_dtype dtype,
-                     cai_reduce_op op, void* stream);
+  void ReduceScatter(const void* in, void* out, size_t out_count, cai_dtype dtype, cai_reduce_op op,
+                     void* stream);
   void AllGather(const void* in, void* out, size_t in_count, cai_dtype dtype, void* stream);
   void Broadcast(void* buffer, size_t count, cai_dtype dtype, int root, void* stream);
   void Reduce(void* buffer, size_t count, cai_dtype dtype, cai_reduce_op op, int root,

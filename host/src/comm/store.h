@@ -3,6 +3,8 @@
 // store.cpp; this header keeps c10d out of everything else.
 #pragma once
 
+#include <gloo/rendezvous/store.h>
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -10,8 +12,6 @@
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <gloo/rendezvous/store.h>
 
 namespace c10d {
 class TCPStore;

@@ -21,7 +21,9 @@ class JsonObject {
   JsonObject& Add(std::string_view key, uint64_t value);
   JsonObject& Add(std::string_view key, bool value);
   JsonObject& Add(std::string_view key, std::string_view value);
-  JsonObject& Add(std::string_view key, const char* value) { return Add(key, std::string_view(value)); }
+  JsonObject& Add(std::string_view key, const char* value) {
+    return Add(key, std::string_view(value));
+  }
   JsonObject& AddRaw(std::string_view key, std::string raw_json);
   std::string str() const;
 

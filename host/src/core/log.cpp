@@ -11,11 +11,16 @@ namespace {
 
 spdlog::level::level_enum ToSpdlog(cai_log_level level) {
   switch (level) {
-    case CAI_LOG_TRACE: return spdlog::level::trace;
-    case CAI_LOG_DEBUG: return spdlog::level::debug;
-    case CAI_LOG_INFO: return spdlog::level::info;
-    case CAI_LOG_WARN: return spdlog::level::warn;
-    default: return spdlog::level::err;
+    case CAI_LOG_TRACE:
+      return spdlog::level::trace;
+    case CAI_LOG_DEBUG:
+      return spdlog::level::debug;
+    case CAI_LOG_INFO:
+      return spdlog::level::info;
+    case CAI_LOG_WARN:
+      return spdlog::level::warn;
+    default:
+      return spdlog::level::err;
   }
 }
 

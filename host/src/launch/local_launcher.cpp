@@ -391,8 +391,7 @@ LaunchResult LaunchLocal(const LaunchOptions& options) {
   return launcher.Run();
 }
 
-int RunOrLaunch(const LaunchOptions& options,
-                const std::function<int(const RankEnv&)>& rank_main) {
+int RunOrLaunch(const LaunchOptions& options, const std::function<int(const RankEnv&)>& rank_main) {
   if (std::optional<RankEnv> env = DetectRankEnv()) return rank_main(*env);
   if (options.nproc == 1) {
     RankEnv local;

@@ -1,11 +1,12 @@
 #include "loader/config.h"
 
+#include <toml++/toml.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstring>
 #include <sstream>
-#include <toml++/toml.h>
 
 #include "core/status.h"
 #include "core/strings.h"
@@ -16,13 +17,27 @@ namespace {
 std::string Describe(const toml::node& node) {
   std::ostringstream os;
   switch (node.type()) {
-    case toml::node_type::string: os << "string \"" << *node.value<std::string>() << '"'; break;
-    case toml::node_type::integer: os << "integer " << *node.value<int64_t>(); break;
-    case toml::node_type::floating_point: os << "float " << *node.value<double>(); break;
-    case toml::node_type::boolean: os << "boolean " << (*node.value<bool>() ? "true" : "false"); break;
-    case toml::node_type::table: os << "a table"; break;
-    case toml::node_type::array: os << "an array"; break;
-    default: os << "a date/time"; break;
+    case toml::node_type::string:
+      os << "string \"" << *node.value<std::string>() << '"';
+      break;
+    case toml::node_type::integer:
+      os << "integer " << *node.value<int64_t>();
+      break;
+    case toml::node_type::floating_point:
+      os << "float " << *node.value<double>();
+      break;
+    case toml::node_type::boolean:
+      os << "boolean " << (*node.value<bool>() ? "true" : "false");
+      break;
+    case toml::node_type::table:
+      os << "a table";
+      break;
+    case toml::node_type::array:
+      os << "an array";
+      break;
+    default:
+      os << "a date/time";
+      break;
   }
   return os.str();
 }
@@ -98,9 +113,9 @@ cai_config::Value ParseDefault(const ConfigKey& key, std::string_view owner) {
   } catch (const toml::parse_error&) {
   }
   if (!parsed.get("v")) {
-    throw Error(CAI_INVALID_ARGUMENT, std::string(owner) + ": config key '" + key.name +
-                                          "' has a default that is not a TOML value: " +
-                                          key.default_literal);
+    throw Error(CAI_INVALID_ARGUMENT,
+                std::string(owner) + ": config key '" + key.name +
+                    "' has a default that is not a TOML value: " + key.default_literal);
   }
   cai_config::Value v = Convert(key, *parsed.get("v"), std::string(owner) + " (schema default)");
   v.is_default = true;
@@ -120,10 +135,9 @@ const cai_config::Value* Find(const cai_config* config, const char* key, const v
     return nullptr;
   }
   if (it->second.type != type) {
-    *error = MakeStatus(CAI_INVALID_ARGUMENT,
-                        std::string("config key '") + key + "' is a " +
-                            ConfigTypeName(it->second.type) + ", read as a " +
-                            ConfigTypeName(type));
+    *error = MakeStatus(CAI_INVALID_ARGUMENT, std::string("config key '") + key + "' is a " +
+                                                  ConfigTypeName(it->second.type) + ", read as a " +
+                                                  ConfigTypeName(type));
     return nullptr;
   }
   return &it->second;
@@ -133,11 +147,16 @@ const cai_config::Value* Find(const cai_config* config, const char* key, const v
 
 const char* ConfigTypeName(cai_config_type type) {
   switch (type) {
-    case CAI_CONFIG_BOOL: return "bool";
-    case CAI_CONFIG_INT: return "int";
-    case CAI_CONFIG_FLOAT: return "float";
-    case CAI_CONFIG_STRING: return "string";
-    default: return "unknown type";
+    case CAI_CONFIG_BOOL:
+      return "bool";
+    case CAI_CONFIG_INT:
+      return "int";
+    case CAI_CONFIG_FLOAT:
+      return "float";
+    case CAI_CONFIG_STRING:
+      return "string";
+    default:
+      return "unknown type";
   }
 }
 
@@ -161,8 +180,8 @@ std::vector<ConfigKey> ReadSchema(const cai_config_key* keys, size_t count,
     const auto* raw = reinterpret_cast<const cai_config_key*>(base + i * stride);
     ConfigKey key;
     auto bad = [&](const std::string& what) {
-      throw Error(CAI_INVALID_ARGUMENT, std::string(owner) + ": config key #" +
-                                            std::to_string(i) + " (" + key.name + ") " + what);
+      throw Error(CAI_INVALID_ARGUMENT, std::string(owner) + ": config key #" + std::to_string(i) +
+                                            " (" + key.name + ") " + what);
     };
     if (!raw->name || !*raw->name) bad("has no name");
     key.name = raw->name;
@@ -205,12 +224,11 @@ std::unique_ptr<cai_config> ValidateConfig(const std::vector<ConfigKey>& schema,
     for (const auto& [name, node] : *table) {
       auto it = std::find(names.begin(), names.end(), name.str());
       if (it == names.end()) {
-        std::string msg = std::string(where) + ": unknown key '" + std::string(name.str()) + "'" +
-                          At(node) + ".";
+        std::string msg =
+            std::string(where) + ": unknown key '" + std::string(name.str()) + "'" + At(node) + ".";
         std::string hint = DidYouMean(name.str(), names);
         msg += hint.empty() ? "" : hint;
-        msg += names.empty() ? " This table takes no keys."
-                             : " Valid keys: " + Join(names) + ".";
+        msg += names.empty() ? " This table takes no keys." : " Valid keys: " + Join(names) + ".";
         throw Error(CAI_INVALID_ARGUMENT, msg);
       }
     }

@@ -50,8 +50,7 @@ const char* ConfigTypeName(cai_config_type type);
 // Reads `count` keys laid out `keys[0].struct_size` bytes apart. Throws cai::Error
 // (INVALID_ARGUMENT) on a malformed schema: missing name/doc, duplicate or non-[a-z0-9_]
 // name, unknown type, default that does not parse as the key's type or is out of range.
-std::vector<ConfigKey> ReadSchema(const cai_config_key* keys, size_t count,
-                                  std::string_view owner);
+std::vector<ConfigKey> ReadSchema(const cai_config_key* keys, size_t count, std::string_view owner);
 
 // Validates `table` (NULL = empty) against `schema`. `where` names the table in messages
 // ("[plugin.ddp] in job.toml"). Throws cai::Error (INVALID_ARGUMENT) on the first problem.

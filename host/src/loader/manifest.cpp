@@ -25,21 +25,30 @@ struct Field {
 
 const char* KindName(Kind kind) {
   switch (kind) {
-    case Kind::kString: return "a string";
-    case Kind::kInt: return "an integer";
-    case Kind::kBool: return "a boolean";
-    case Kind::kStringArray: return "an array of strings";
-    case Kind::kTable: return "a table";
+    case Kind::kString:
+      return "a string";
+    case Kind::kInt:
+      return "an integer";
+    case Kind::kBool:
+      return "a boolean";
+    case Kind::kStringArray:
+      return "an array of strings";
+    case Kind::kTable:
+      return "a table";
   }
   return "";
 }
 
 bool HasKind(const toml::node& node, Kind kind) {
   switch (kind) {
-    case Kind::kString: return node.is_string();
-    case Kind::kInt: return node.is_integer();
-    case Kind::kBool: return node.is_boolean();
-    case Kind::kTable: return node.is_table();
+    case Kind::kString:
+      return node.is_string();
+    case Kind::kInt:
+      return node.is_integer();
+    case Kind::kBool:
+      return node.is_boolean();
+    case Kind::kTable:
+      return node.is_table();
     case Kind::kStringArray:
       return node.is_array() && node.as_array()->is_homogeneous(toml::node_type::string);
   }
@@ -101,8 +110,10 @@ Manifest ParseManifest(const fs::path& input) {
              fail);
   m.manifest_version = *root["manifest_version"].value<int64_t>();
   if (m.manifest_version != kManifestVersion) {
-    fail("manifest_version " + std::to_string(m.manifest_version) + " is not supported (this host "
-         "reads version " + std::to_string(kManifestVersion) + "); install a matching cai");
+    fail("manifest_version " + std::to_string(m.manifest_version) +
+         " is not supported (this host "
+         "reads version " +
+         std::to_string(kManifestVersion) + "); install a matching cai");
   }
 
   const toml::table& plugin = *root["plugin"].as_table();
@@ -134,8 +145,10 @@ Manifest ParseManifest(const fs::path& input) {
   // The library must sit beside its manifest: no absolute path, no directory part, so a
   // manifest can never point the loader at a file outside its (trust-checked) directory.
   if (lib.empty() || lib.find('/') != std::string::npos || lib == "." || lib == "..") {
-    fail("library.path '" + lib + "' must be a file name in the manifest's directory (no '/', "
-         "no '..'); put the .so beside " + m.path.filename().string());
+    fail("library.path '" + lib +
+         "' must be a file name in the manifest's directory (no '/', "
+         "no '..'); put the .so beside " +
+         m.path.filename().string());
   }
   m.library = m.path.parent_path() / lib;
   m.entry = *library["entry"].value<std::string>();
@@ -154,9 +167,10 @@ Manifest ParseManifest(const fs::path& input) {
   m.abi_major = *abi["major"].value<int64_t>();
   m.min_host_minor = *abi["min_host_minor"].value<int64_t>();
   if (m.abi_major != CAI_ABI_MAJOR) {
-    fail("plugin is built for cai ABI " + std::to_string(m.abi_major) + ".x; this host speaks ABI " +
-         std::to_string(CAI_ABI_MAJOR) + "." + std::to_string(CAI_ABI_MINOR) +
-         ". Install a build of '" + m.name + "' for cai " + std::to_string(CAI_ABI_MAJOR) + ".x");
+    fail("plugin is built for cai ABI " + std::to_string(m.abi_major) +
+         ".x; this host speaks ABI " + std::to_string(CAI_ABI_MAJOR) + "." +
+         std::to_string(CAI_ABI_MINOR) + ". Install a build of '" + m.name + "' for cai " +
+         std::to_string(CAI_ABI_MAJOR) + ".x");
   }
   if (m.min_host_minor < 0 || m.min_host_minor > CAI_ABI_MINOR) {
     fail("plugin needs host ABI " + std::to_string(m.abi_major) + "." +

@@ -10,15 +10,15 @@
 namespace cai {
 
 struct Manifest {
-  std::filesystem::path path;       // the manifest file, absolute
+  std::filesystem::path path;  // the manifest file, absolute
   int64_t manifest_version = 0;
-  std::string name;                 // [a-z0-9_-]+, unique among loaded plugins
-  std::string kind;                 // "strategy"
+  std::string name;  // [a-z0-9_-]+, unique among loaded plugins
+  std::string kind;  // "strategy"
   std::string version;
-  std::string license;              // SPDX identifier
+  std::string license;  // SPDX identifier
   std::string description;
-  std::filesystem::path library;    // absolute: manifest dir / library.path
-  std::string entry;                // "cai_plugin_init_v1"
+  std::filesystem::path library;      // absolute: manifest dir / library.path
+  std::string entry;                  // "cai_plugin_init_v1"
   std::optional<std::string> sha256;  // lower-case hex, checked before dlopen
   int64_t abi_major = 0;
   int64_t min_host_minor = 0;

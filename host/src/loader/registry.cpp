@@ -101,9 +101,9 @@ void CheckTable(const Manifest& m, const cai_plugin_api* api) {
   agree(caps.pipeline, CAI_CAP_PIPELINE, "pipeline");
   agree(caps.sharded_checkpoint, CAI_CAP_SHARDED_CHECKPOINT, "sharded_checkpoint");
   agree(caps.tensor_parallel, CAI_CAP_TENSOR_PARALLEL, "tensor_parallel");
-  const std::pair<const char*, uint64_t> precision_bits[] = {
-      {"fp32", CAI_CAP_PRECISION_FP32}, {"bf16", CAI_CAP_PRECISION_BF16},
-      {"fp16", CAI_CAP_PRECISION_FP16}};
+  const std::pair<const char*, uint64_t> precision_bits[] = {{"fp32", CAI_CAP_PRECISION_FP32},
+                                                             {"bf16", CAI_CAP_PRECISION_BF16},
+                                                             {"fp16", CAI_CAP_PRECISION_FP16}};
   for (const auto& [precision, bit] : precision_bits) {
     const bool listed = std::find(caps.precisions.begin(), caps.precisions.end(), precision) !=
                         caps.precisions.end();
@@ -198,9 +198,9 @@ std::vector<PluginRecord> DiscoverPlugins(const std::vector<SearchLocation>& loc
       if (record.error.empty()) {
         auto [it, inserted] = first_by_name.emplace(record.manifest.name, record.manifest_path);
         if (!inserted) {
-          record.error = record.manifest_path.string() + ": plugin name '" +
-                         record.manifest.name + "' is already provided by " +
-                         it->second.string() + " (found first, so it wins); remove or rename "
+          record.error = record.manifest_path.string() + ": plugin name '" + record.manifest.name +
+                         "' is already provided by " + it->second.string() +
+                         " (found first, so it wins); remove or rename "
                          "one of them";
         }
       }
@@ -227,9 +227,9 @@ const LoadedPlugin& LoadPlugin(const Manifest& manifest, const cai_host_api* hos
     throw Error(CAI_FAILED_PRECONDITION, lib + ": cannot be loaded: " + e.what());
   }
   if (!library->has(manifest.entry)) {
-    throw Error(CAI_FAILED_PRECONDITION,
-                lib + ": does not export the entry symbol '" + manifest.entry +
-                    "'; build it with the cai SDK's CAI_PLUGIN() macro");
+    throw Error(CAI_FAILED_PRECONDITION, lib + ": does not export the entry symbol '" +
+                                             manifest.entry +
+                                             "'; build it with the cai SDK's CAI_PLUGIN() macro");
   }
   auto init = library->get<cai_status*(cai_plugin_init_args*)>(manifest.entry);
 
@@ -244,8 +244,8 @@ const LoadedPlugin& LoadPlugin(const Manifest& manifest, const cai_host_api* hos
   try {
     status = init(&args);
   } catch (const std::exception& e) {
-    throw Error(CAI_INTERNAL, lib + ": " + manifest.entry + " threw a C++ exception (" +
-                                  e.what() + "); exceptions must not cross the ABI");
+    throw Error(CAI_INTERNAL, lib + ": " + manifest.entry + " threw a C++ exception (" + e.what() +
+                                  "); exceptions must not cross the ABI");
   } catch (...) {
     throw Error(CAI_INTERNAL, lib + ": " + manifest.entry +
                                   " threw an exception; exceptions must not cross the ABI");

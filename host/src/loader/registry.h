@@ -27,9 +27,9 @@ namespace cai {
 
 struct PluginRecord {
   std::filesystem::path manifest_path;
-  std::string found_in;   // which search location ("CAI_PLUGIN_PATH", "user", ...)
-  Manifest manifest;      // valid when error is empty
-  std::string error;      // why the plugin cannot be used; empty when usable
+  std::string found_in;  // which search location ("CAI_PLUGIN_PATH", "user", ...)
+  Manifest manifest;     // valid when error is empty
+  std::string error;     // why the plugin cannot be used; empty when usable
 };
 
 struct LoadedPlugin {
@@ -49,7 +49,7 @@ struct LoadedPlugin {
 struct SearchLocation {
   std::filesystem::path path;
   std::string label;
-  bool is_file = false;   // CAI_PLUGIN_FILES may name manifests directly
+  bool is_file = false;  // CAI_PLUGIN_FILES may name manifests directly
 };
 
 // The locations searched, in order, for the given --plugin-path entries.

@@ -46,8 +46,7 @@ inline uint16_t FloatToHalf(float f) {
   // of the sum are then the fp16 encoding (0x400 when it rounds up to the smallest normal).
   const uint32_t subnormal = std::bit_cast<uint32_t>(std::bit_cast<float>(x) + 0.5f) - 0x3f000000u;
   const uint32_t inf_or_nan = x > 0x7f800000u ? (0x7e00u | ((x >> 13) & 0x3ffu)) : 0x7c00u;
-  const uint32_t magnitude =
-      x >= 0x47800000u ? inf_or_nan : (x < 0x38800000u ? subnormal : normal);
+  const uint32_t magnitude = x >= 0x47800000u ? inf_or_nan : (x < 0x38800000u ? subnormal : normal);
   return static_cast<uint16_t>(sign | magnitude);
 }
 

@@ -107,11 +107,15 @@ CAI_VECTOR_CLONES double SumSquaresBf16(const void* y, size_t n) {
 CAI_VECTOR_CLONES double SumSquaresF16(const void* y, size_t n) {
   return SumSquaresBody<F::kF16>(y, n);
 }
-CAI_VECTOR_CLONES bool AllFiniteF32(const void* y, size_t n) { return AllFiniteBody<F::kF32>(y, n); }
+CAI_VECTOR_CLONES bool AllFiniteF32(const void* y, size_t n) {
+  return AllFiniteBody<F::kF32>(y, n);
+}
 CAI_VECTOR_CLONES bool AllFiniteBf16(const void* y, size_t n) {
   return AllFiniteBody<F::kBF16>(y, n);
 }
-CAI_VECTOR_CLONES bool AllFiniteF16(const void* y, size_t n) { return AllFiniteBody<F::kF16>(y, n); }
+CAI_VECTOR_CLONES bool AllFiniteF16(const void* y, size_t n) {
+  return AllFiniteBody<F::kF16>(y, n);
+}
 
 using CastFn = void (*)(const void*, void*, size_t);
 
@@ -181,7 +185,8 @@ void Scale(void* y, FloatType type, size_t n, float alpha) {
 void Axpy(float alpha, const void* x, FloatType x_type, float* y, size_t n) {
   auto* fn = x_type == F::kF32 ? AxpyF32 : (x_type == F::kBF16 ? AxpyBf16 : AxpyF16);
   const size_t s = SizeOf(x_type);
-  ParallelFor(n, kAlign, [&](size_t b, size_t e) { fn(alpha, Offset<char>(x, b * s), y + b, e - b); });
+  ParallelFor(n, kAlign,
+              [&](size_t b, size_t e) { fn(alpha, Offset<char>(x, b * s), y + b, e - b); });
 }
 
 void Fill(void* y, FloatType type, size_t n, float value) {

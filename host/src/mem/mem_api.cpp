@@ -101,7 +101,8 @@ Operand CheckTensor(const cai_tensor* t, const char* name) {
   Operand op;
   op.numel = numel;
   op.dtype = t->dtype;
-  if (numel > 0 && !t->data) Invalid(where + " has " + std::to_string(numel) + " elements but data is NULL");
+  if (numel > 0 && !t->data)
+    Invalid(where + " has " + std::to_string(numel) + " elements but data is NULL");
   op.data = t->data ? static_cast<char*>(t->data) + t->byte_offset : nullptr;
   return op;
 }
@@ -143,7 +144,8 @@ void RunKernel(const cai_mem_kernel_args* args) {
   }
   if (reduces && !args->result) Invalid(std::string(kernel) + ": result is NULL");
   const Operand y = CheckTensor(args->y, "y");
-  const FloatType y_type = args->op == CAI_KERNEL_COPY ? FloatType::kF32 : RequireFloat(y, "y", kernel);
+  const FloatType y_type =
+      args->op == CAI_KERNEL_COPY ? FloatType::kF32 : RequireFloat(y, "y", kernel);
   const float alpha = static_cast<float>(args->alpha);
 
   if (takes_x) {
@@ -221,9 +223,7 @@ cai_status* View(cai_buffer* buffer, cai_dtype dtype, cai_tensor* out) {
 
 void* Data(cai_buffer* buffer) { return buffer ? buffer->data : nullptr; }
 size_t Size(const cai_buffer* buffer) { return buffer ? buffer->bytes : 0; }
-cai_mem_tier TierOf(const cai_buffer* buffer) {
-  return buffer ? buffer->tier : CAI_MEM_NUM_TIERS;
-}
+cai_mem_tier TierOf(const cai_buffer* buffer) { return buffer ? buffer->tier : CAI_MEM_NUM_TIERS; }
 
 cai_status* SetBudget(cai_mem_tier tier, uint64_t bytes) {
   return Guard([&] { MemoryPool::Global().SetBudget(tier, bytes); });

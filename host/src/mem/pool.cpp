@@ -62,9 +62,8 @@ std::string DefaultNvmeDirectory() {
 size_t PageSize() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
 
 void ZeroFill(void* data, size_t bytes) {
-  ParallelFor(bytes, 4096, [&](size_t b, size_t e) {
-    std::memset(static_cast<char*>(data) + b, 0, e - b);
-  });
+  ParallelFor(bytes, 4096,
+              [&](size_t b, size_t e) { std::memset(static_cast<char*>(data) + b, 0, e - b); });
 }
 
 }  // namespace
@@ -125,8 +124,7 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
   const size_t align = std::max(alignment, kDefaultAlignment);
   if (tier == CAI_MEM_NVME && align > PageSize()) {
     throw Error(CAI_INVALID_ARGUMENT, "alignment " + std::to_string(align) +
-                                          " exceeds the page size (" +
-                                          std::to_string(PageSize()) +
+                                          " exceeds the page size (" + std::to_string(PageSize()) +
                                           "), the most the NVMe tier's file mappings give");
   }
   const size_t capacity = RoundUp(SizeClass(bytes), align);
@@ -140,9 +138,9 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
       throw Error(CAI_RESOURCE_EXHAUSTED,
                   "cannot allocate " + FormatBytes(bytes) +
                       (tag.empty() ? std::string() : " for \"" + std::string(tag) + "\"") +
-                      " on memory tier " + name + ": its budget is " +
-                      FormatBytes(u.budget_bytes) + " and " + FormatBytes(u.current_bytes) +
-                      " are in use by " + std::to_string(u.num_allocations) +
+                      " on memory tier " + name + ": its budget is " + FormatBytes(u.budget_bytes) +
+                      " and " + FormatBytes(u.current_bytes) + " are in use by " +
+                      std::to_string(u.num_allocations) +
                       " buffers. Free buffers on this tier, offload to another tier, or raise "
                       "the budget (cai_mem_api.set_budget)");
     }
@@ -209,10 +207,10 @@ void MemoryPool::SetBudget(cai_mem_tier tier, uint64_t bytes) {
     std::lock_guard lock(t.mu);
     TierUsage& u = t.usage;
     if (bytes != 0 && bytes < u.current_bytes) {
-      throw Error(CAI_FAILED_PRECONDITION,
-                  "cannot set the budget of memory tier " + TierName(tier) + " to " +
-                      FormatBytes(bytes) + ": " + FormatBytes(u.current_bytes) +
-                      " are in use. Free buffers on this tier first");
+      throw Error(CAI_FAILED_PRECONDITION, "cannot set the budget of memory tier " +
+                                               TierName(tier) + " to " + FormatBytes(bytes) + ": " +
+                                               FormatBytes(u.current_bytes) +
+                                               " are in use. Free buffers on this tier first");
     }
     u.budget_bytes = bytes;
     if (bytes != 0 && u.current_bytes + u.cached_bytes > bytes) trimmed = TakeCached(t);
@@ -254,7 +252,7 @@ std::unordered_multimap<size_t, cai_buffer*> MemoryPool::TakeCached(Tier& t) {
 }
 
 void MemoryPool::SetNvmeDirectory(const std::string& dir) {
-  struct stat st{};
+  struct stat st {};
   if (dir.empty() || stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
       access(dir.c_str(), W_OK | X_OK) != 0) {
     throw Error(CAI_INVALID_ARGUMENT, "NVMe directory \"" + dir +
@@ -296,10 +294,9 @@ void* MemoryPool::MapBlock(cai_mem_tier tier, size_t capacity, size_t alignment)
   const int err = posix_fallocate(fd, 0, static_cast<off_t>(capacity));
   if (err != 0) {
     close(fd);
-    throw Error(CAI_RESOURCE_EXHAUSTED, "cannot reserve " + FormatBytes(capacity) +
-                                            " for the NVMe tier in \"" + dir +
-                                            "\": " + std::strerror(err) +
-                                            ". Free disk space or choose another directory");
+    throw Error(CAI_RESOURCE_EXHAUSTED,
+                "cannot reserve " + FormatBytes(capacity) + " for the NVMe tier in \"" + dir +
+                    "\": " + std::strerror(err) + ". Free disk space or choose another directory");
   }
   void* data = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int map_errno = errno;

@@ -25,8 +25,8 @@
 // The handle behind cai_buffer*: one block of one tier. Owned by the pool.
 struct cai_buffer {
   void* data = nullptr;
-  size_t bytes = 0;       // requested by the current owner
-  size_t capacity = 0;    // size class actually mapped
+  size_t bytes = 0;     // requested by the current owner
+  size_t capacity = 0;  // size class actually mapped
   size_t alignment = 0;
   cai_mem_tier tier = CAI_MEM_HOST;
   std::string tag;

@@ -439,8 +439,8 @@ void ApplyParamOptions(Network& net, const ParamOptions& options) {
   if (options.unused_parameter) {
     const int64_t size = net.params.empty() ? 1 : net.params.back().tensor.size(-1);
     torch::Tensor unused = torch::full({size}, 0.02, torch::kFloat).requires_grad_(true);
-    net.params.push_back(ParamSpec{"unused.weight", "unused", unused, -1, CAI_ROLE_OTHER, -1,
-                                   false});
+    net.params.push_back(
+        ParamSpec{"unused.weight", "unused", unused, -1, CAI_ROLE_OTHER, -1, false});
   }
 }
 

@@ -75,8 +75,7 @@ std::unique_ptr<Network> LoadTorchScriptNetwork(const std::string& path) {
   return std::make_unique<TorchScriptNetwork>(std::move(module), path);
 }
 
-std::unique_ptr<Model> LoadTorchScriptModel(const std::string& path,
-                                            const ParamOptions& options) {
+std::unique_ptr<Model> LoadTorchScriptModel(const std::string& path, const ParamOptions& options) {
   return MakeModel(LoadTorchScriptNetwork(path), options);
 }
 

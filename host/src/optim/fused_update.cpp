@@ -17,9 +17,9 @@ constexpr size_t kAlign = 64;
 
 struct AdamScalars {
   float grad_scale;
-  float l2;      // Adam's weight decay, added to the gradient; 0 for AdamW
+  float l2;  // Adam's weight decay, added to the gradient; 0 for AdamW
   bool use_l2;
-  float decay;   // AdamW's p *= 1 - lr * weight_decay; 1 for Adam
+  float decay;  // AdamW's p *= 1 - lr * weight_decay; 1 for Adam
   float beta1, one_minus_beta1, beta2, one_minus_beta2;
   float sqrt_bias_correction2;
   float neg_step_size;

@@ -32,8 +32,8 @@ FloatType RequireFloat(cai_dtype d, const char* what, bool allow_f32) {
   if (d.lanes == 1 && d.code == CAI_DTYPE_FLOAT && d.bits == 16) return FloatType::kF16;
   if (d.lanes == 1 && d.code == CAI_DTYPE_BFLOAT && d.bits == 16) return FloatType::kBF16;
   Invalid(std::string("optimizer update: ") + what + " dtype {code " + std::to_string(d.code) +
-          ", bits " + std::to_string(d.bits) + ", lanes " + std::to_string(d.lanes) +
-          "} is not " + (allow_f32 ? "float32, " : "") + "bfloat16 or float16");
+          ", bits " + std::to_string(d.bits) + ", lanes " + std::to_string(d.lanes) + "} is not " +
+          (allow_f32 ? "float32, " : "") + "bfloat16 or float16");
 }
 
 const Optimizer& Require(const cai_optimizer* opt) {
@@ -78,7 +78,8 @@ cai_status* Update(const cai_optim_update_args* args) {
     u.state[0] = args->state[0];
     u.state[1] = args->state[1];
     u.param_lowp = args->param_lowp;
-    if (args->param_lowp) u.param_lowp_type = RequireFloat(args->param_lowp_dtype, "param_lowp", false);
+    if (args->param_lowp)
+      u.param_lowp_type = RequireFloat(args->param_lowp_dtype, "param_lowp", false);
     u.numel = args->numel;
     u.step = args->step;
     u.lr = args->lr;

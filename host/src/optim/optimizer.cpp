@@ -92,9 +92,8 @@ double Optimizer::LrAt(uint32_t group, int64_t step) const {
     return lr * static_cast<double>(step) / static_cast<double>(s.warmup_steps);
   }
   if (s.total_steps <= s.warmup_steps) return lr;
-  const double progress =
-      std::min(1.0, static_cast<double>(step - s.warmup_steps) /
-                        static_cast<double>(s.total_steps - s.warmup_steps));
+  const double progress = std::min(1.0, static_cast<double>(step - s.warmup_steps) /
+                                            static_cast<double>(s.total_steps - s.warmup_steps));
   const double cosine = 0.5 * (1 + std::cos(std::numbers::pi * progress));
   return lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * cosine);
 }
@@ -118,7 +117,8 @@ void Optimizer::Update(uint32_t group, const FusedUpdate& u) const {
   if (u.param_lowp && u.param_lowp_type == FloatType::kF32) {
     Invalid("optimizer update: param_lowp must be bf16 or fp16");
   }
-  if (u.step < 1) Invalid("optimizer update: step is " + std::to_string(u.step) + "; steps count from 1");
+  if (u.step < 1)
+    Invalid("optimizer update: step is " + std::to_string(u.step) + "; steps count from 1");
   if (!std::isfinite(u.lr) || !std::isfinite(u.grad_scale)) {
     Invalid("optimizer update: lr (" + std::to_string(u.lr) + ") and grad_scale (" +
             std::to_string(u.grad_scale) + ") must be finite");

@@ -41,9 +41,9 @@ struct FusedUpdate {
   void* param_lowp = nullptr;  // optional copy-out of the updated parameters (bf16 or fp16)
   FloatType param_lowp_type = FloatType::kBF16;
   size_t numel = 0;
-  int64_t step = 1;        // 1-based; Adam's bias correction, SGD's momentum initialisation
-  double lr = 0;           // this step's learning rate (LrAt)
-  double grad_scale = 1;   // multiplies the gradient first: 1/loss_scale * clip coefficient
+  int64_t step = 1;       // 1-based; Adam's bias correction, SGD's momentum initialisation
+  double lr = 0;          // this step's learning rate (LrAt)
+  double grad_scale = 1;  // multiplies the gradient first: 1/loss_scale * clip coefficient
 };
 
 // Immutable after construction, hence thread-safe.

@@ -10,8 +10,8 @@
 namespace cai {
 
 const cai_host_api* HostServicesTable() {
-  static const cai_host_api* table = MakeHostApi(
-      HostServices{ModelApi(), OptimApi(), CommApi(), MemApi(), CheckpointApi()});
+  static const cai_host_api* table =
+      MakeHostApi(HostServices{ModelApi(), OptimApi(), CommApi(), MemApi(), CheckpointApi()});
   return table;
 }
 

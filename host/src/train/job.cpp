@@ -28,8 +28,9 @@ const char* const kBackends[] = {"gloo", "nccl", nullptr};
 const cai_config_key kModelKeys[] = {
     StringKey("kind", "\"gpt2\"", "Model: gpt2 or llama from the zoo, or a torchscript file.",
               kModelKinds),
-    StringKey("path", "\"\"", "TorchScript file (model.kind = \"torchscript\"): forward(tokens "
-                              "int64 [B,T]) -> logits [B,T,V]."),
+    StringKey("path", "\"\"",
+              "TorchScript file (model.kind = \"torchscript\"): forward(tokens "
+              "int64 [B,T]) -> logits [B,T,V]."),
     IntKey("vocab_size", "256", "Vocabulary size (256: the byte-level tokenizer).", 2, 0, kMin),
     IntKey("n_ctx", "128", "Longest sequence the model accepts.", 1, 0, kMin),
     IntKey("n_layer", "4", "Transformer blocks.", 1, 0, kMin),
@@ -37,8 +38,8 @@ const cai_config_key kModelKeys[] = {
     IntKey("n_kv_head", "0", "Key/value heads for Llama grouped-query attention (0 = n_head).", 0,
            0, kMin),
     IntKey("n_embd", "128", "Hidden size.", 1, 0, kMin),
-    IntKey("ffn_hidden", "0", "MLP hidden size (0 = 4*n_embd for GPT-2, 8/3*n_embd for Llama).",
-           0, 0, kMin),
+    IntKey("ffn_hidden", "0", "MLP hidden size (0 = 4*n_embd for GPT-2, 8/3*n_embd for Llama).", 0,
+           0, kMin),
     BoolKey("bias", "true", "Biases in linear layers (and GPT-2's LayerNorm)."),
     BoolKey("activation_checkpointing", "false",
             "Recompute each block's forward during backward to save activation memory."),
@@ -61,11 +62,10 @@ const cai_config_key kOptimizerKeys[] = {
     FloatKey("dampening", "0.0", "SGD dampening.", 0, 0, kMin),
     BoolKey("nesterov", "false", "SGD Nesterov momentum."),
     FloatKey("no_decay_lr", "0.0",
-             "Learning rate of group 1 (biases and norm weights); 0 = the same as lr.", 0, 0,
-             kMin),
+             "Learning rate of group 1 (biases and norm weights); 0 = the same as lr.", 0, 0, kMin),
     FloatKey("no_decay_weight_decay", "0.0", "Weight decay of group 1.", 0, 0, kMin),
-    FloatKey("max_grad_norm", "1.0", "Clip gradients to this global L2 norm (0 = no clipping).",
-             0, 0, kMin),
+    FloatKey("max_grad_norm", "1.0", "Clip gradients to this global L2 norm (0 = no clipping).", 0,
+             0, kMin),
     IntKey("warmup_steps", "0", "Linear learning-rate warmup steps.", 0, 0, kMin),
     FloatKey("min_lr_ratio", "0.1", "Cosine decay ends at this fraction of lr.", 0, 1, kMinMax),
     IntKey("decay_steps", "0", "Step at which the cosine decay ends (0 = train.steps).", 0, 0,
@@ -78,8 +78,8 @@ const cai_config_key kDataKeys[] = {
               "read through the byte-level tokenizer).",
               kSources),
     StringKey("path", "\"\"", "File for source = tokens or text."),
-    FloatKey("eval_fraction", "0.05", "Tail of the token stream held out for evaluation.", 0,
-             0.5, kMinMax),
+    FloatKey("eval_fraction", "0.05", "Tail of the token stream held out for evaluation.", 0, 0.5,
+             kMinMax),
 };
 
 const cai_config_key kTrainKeys[] = {
@@ -92,13 +92,10 @@ const cai_config_key kTrainKeys[] = {
     IntKey("seq_len", "64", "Tokens per sequence.", 1, 0, kMin),
     StringKey("precision", "\"fp32\"", "Compute precision: fp32, bf16 or fp16.", kPrecisions),
     IntKey("seed", "1234", "Seed of the initial weights and of the data order.", 0, 0, kMin),
-    IntKey("eval_every", "50", "Evaluate every this many steps (0 = only at the end).", 0, 0,
-           kMin),
+    IntKey("eval_every", "50", "Evaluate every this many steps (0 = only at the end).", 0, 0, kMin),
     IntKey("eval_batches", "4", "Global batches per evaluation.", 1, 0, kMin),
-    IntKey("log_every", "10", "Log a line every this many steps (without a terminal).", 1, 0,
-           kMin),
-    IntKey("threads", "0", "Compute threads per rank (0 = cores / ranks, at least 1).", 0, 0,
-           kMin),
+    IntKey("log_every", "10", "Log a line every this many steps (without a terminal).", 1, 0, kMin),
+    IntKey("threads", "0", "Compute threads per rank (0 = cores / ranks, at least 1).", 0, 0, kMin),
 };
 
 const cai_config_key kCheckpointKeys[] = {
@@ -110,8 +107,7 @@ const cai_config_key kCheckpointKeys[] = {
 
 const cai_config_key kLaunchKeys[] = {
     IntKey("nproc", "1", "Ranks to start on this machine (--nproc overrides).", 1, 0, kMin),
-    StringKey("backend", "\"gloo\"", "Collective backend: gloo (CPU) or nccl (CUDA).",
-              kBackends),
+    StringKey("backend", "\"gloo\"", "Collective backend: gloo (CPU) or nccl (CUDA).", kBackends),
     StringKey("master_addr", "\"127.0.0.1\"", "Address of rank 0's rendezvous store."),
     IntKey("master_port", "0", "Port of the rendezvous store (0 = a free port).", 0, 65535,
            kMinMax),
@@ -131,10 +127,12 @@ void SetAt(toml::table& root, const std::string& path, Node&& value, const std::
   std::stringstream in(path);
   std::string part;
   while (std::getline(in, part, '.')) parts.push_back(part);
-  const bool empty_part = std::any_of(parts.begin(), parts.end(), [](auto& p) { return p.empty(); });
+  const bool empty_part =
+      std::any_of(parts.begin(), parts.end(), [](auto& p) { return p.empty(); });
   if (parts.size() < 2 || empty_part) {
-    throw Error(CAI_INVALID_ARGUMENT, what + ": '" + path + "' is not a section.key path "
-                                             "(e.g. --set train.steps=20)");
+    throw Error(CAI_INVALID_ARGUMENT, what + ": '" + path +
+                                          "' is not a section.key path "
+                                          "(e.g. --set train.steps=20)");
   }
   toml::table* table = &root;
   for (size_t i = 0; i + 1 < parts.size(); ++i) {
@@ -144,8 +142,8 @@ void SetAt(toml::table& root, const std::string& path, Node&& value, const std::
       next = table->get(parts[i]);
     }
     if (!next->is_table()) {
-      throw Error(CAI_INVALID_ARGUMENT, what + ": '" + parts[i] + "' in '" + path +
-                                               "' is a value, not a table");
+      throw Error(CAI_INVALID_ARGUMENT,
+                  what + ": '" + parts[i] + "' in '" + path + "' is a value, not a table");
     }
     table = next->as_table();
   }
@@ -176,10 +174,18 @@ void AppendSection(std::ostringstream& out, const std::string& name, const cai_c
   toml::table table;
   for (const auto& [key, v] : config.values) {
     switch (v.type) {
-      case CAI_CONFIG_BOOL: table.insert(key, v.b); break;
-      case CAI_CONFIG_INT: table.insert(key, v.i); break;
-      case CAI_CONFIG_FLOAT: table.insert(key, v.f); break;
-      default: table.insert(key, v.s); break;
+      case CAI_CONFIG_BOOL:
+        table.insert(key, v.b);
+        break;
+      case CAI_CONFIG_INT:
+        table.insert(key, v.i);
+        break;
+      case CAI_CONFIG_FLOAT:
+        table.insert(key, v.f);
+        break;
+      default:
+        table.insert(key, v.s);
+        break;
     }
   }
   out << "[" << name << "]\n" << table << "\n\n";
@@ -212,10 +218,10 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
     try {
       root = toml::parse_file(file.string());
     } catch (const toml::parse_error& e) {
-      throw Error(CAI_INVALID_ARGUMENT,
-                  where + ": malformed TOML at line " + std::to_string(e.source().begin.line) +
-                      ", column " + std::to_string(e.source().begin.column) + ": " +
-                      std::string(e.description()));
+      throw Error(CAI_INVALID_ARGUMENT, where + ": malformed TOML at line " +
+                                            std::to_string(e.source().begin.line) + ", column " +
+                                            std::to_string(e.source().begin.column) + ": " +
+                                            std::string(e.description()));
     }
   }
   for (const std::string& set : sets) ApplySet(root, set);
@@ -224,10 +230,10 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
   for (const auto& [name, keys] : JobSchema()) sections.push_back(name);
   for (const auto& [name, node] : root) {
     if (std::find(sections.begin(), sections.end(), name.str()) == sections.end()) {
-      throw Error(CAI_INVALID_ARGUMENT,
-                  where + ": unknown section '" + std::string(name.str()) + "' (line " +
-                      std::to_string(node.source().begin.line) + ")." +
-                      DidYouMean(name.str(), sections) + " Sections: " + Join(sections) + ".");
+      throw Error(CAI_INVALID_ARGUMENT, where + ": unknown section '" + std::string(name.str()) +
+                                            "' (line " + std::to_string(node.source().begin.line) +
+                                            ")." + DidYouMean(name.str(), sections) +
+                                            " Sections: " + Join(sections) + ".");
     }
     if (!node.is_table()) {
       throw Error(CAI_INVALID_ARGUMENT, where + ": '" + std::string(name.str()) +
@@ -269,12 +275,18 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
     const toml::table* table = root[name].as_table();
     auto config = ValidateConfig(schema, table, "[" + name + "] in " + where);
     AppendSection(resolved, name, *config);
-    if (name == "model") job.model = std::move(config);
-    else if (name == "optimizer") job.optimizer = std::move(config);
-    else if (name == "data") job.data = std::move(config);
-    else if (name == "train") job.train = std::move(config);
-    else if (name == "checkpoint") job.checkpoint = std::move(config);
-    else job.launch = std::move(config);
+    if (name == "model")
+      job.model = std::move(config);
+    else if (name == "optimizer")
+      job.optimizer = std::move(config);
+    else if (name == "data")
+      job.data = std::move(config);
+    else if (name == "train")
+      job.train = std::move(config);
+    else if (name == "checkpoint")
+      job.checkpoint = std::move(config);
+    else
+      job.launch = std::move(config);
   }
   job.resolved_toml = resolved.str();
   return job;

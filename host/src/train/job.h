@@ -14,13 +14,13 @@
 namespace cai {
 
 struct JobConfig {
-  std::filesystem::path file;   // the job file as given ("" for none)
-  std::string resolved_toml;    // every section with defaults filled, for config.resolved.toml
+  std::filesystem::path file;  // the job file as given ("" for none)
+  std::string resolved_toml;   // every section with defaults filled, for config.resolved.toml
 
   // Validated sections; read them with the Get* helpers below.
   std::unique_ptr<cai_config> model, optimizer, data, train, checkpoint, launch;
 
-  std::string plugin;           // plugin.name: "none", "auto" or an installed plugin
+  std::string plugin;  // plugin.name: "none", "auto" or an installed plugin
   // The raw [plugin.<name>] table of the chosen plugin as TOML text ("" if absent); validated
   // against the plugin's own schema once the plugin is loaded.
   std::string plugin_table_toml;
@@ -37,7 +37,8 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
 
 // Validates the chosen plugin's table against its schema (the nearest valid key is named for
 // an unknown one) and appends it to resolved_toml.
-std::unique_ptr<cai_config> ResolvePluginConfig(JobConfig& job, const std::vector<ConfigKey>& schema);
+std::unique_ptr<cai_config> ResolvePluginConfig(JobConfig& job,
+                                                const std::vector<ConfigKey>& schema);
 
 bool GetBool(const cai_config& c, const char* key);
 int64_t GetInt(const cai_config& c, const char* key);

@@ -19,13 +19,16 @@ constexpr int64_t kBillion = 1'000'000'000;
 std::string Bytes(uint64_t b) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(b >= (1ull << 30) ? 2 : 1);
-  if (b >= (1ull << 30)) os << double(b) / double(1ull << 30) << " GiB";
-  else os << double(b) / double(1ull << 20) << " MiB";
+  if (b >= (1ull << 30))
+    os << double(b) / double(1ull << 30) << " GiB";
+  else
+    os << double(b) / double(1ull << 20) << " MiB";
   return os.str();
 }
 
 uint64_t MachineMemory() {
-  return static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  return static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+         static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
 }
 
 }  // namespace
@@ -36,23 +39,23 @@ ModelSize ZooModelSize(const ModelConfig& c) {
   int64_t block = 0, embedding = 0, head = 0;
   if (c.arch == ModelConfig::Arch::kGpt2) {
     const int64_t f = c.ffn_hidden ? c.ffn_hidden : 4 * e;
-    block = 2 * (e + b * e)             // ln_1, ln_2
-            + 3 * e * e + b * 3 * e     // qkv
-            + e * e + b * e             // proj
-            + f * e + b * f             // fc
-            + e * f + b * e;            // mlp proj
+    block = 2 * (e + b * e)          // ln_1, ln_2
+            + 3 * e * e + b * 3 * e  // qkv
+            + e * e + b * e          // proj
+            + f * e + b * f          // fc
+            + e * f + b * e;         // mlp proj
     embedding = c.vocab_size * e + c.n_ctx * e;
-    head = e + b * e;                   // ln_f; the output projection is tied to wte
+    head = e + b * e;  // ln_f; the output projection is tied to wte
   } else {
     const int64_t f = c.ffn_hidden ? c.ffn_hidden : 256 * ((8 * e / 3 + 255) / 256);
     const int64_t kv = (c.n_kv_head ? c.n_kv_head : c.n_head) * (e / c.n_head);
-    block = 2 * e                       // attn_norm, mlp_norm
-            + 2 * (e * e + b * e)       // q, o
-            + 2 * (kv * e + b * kv)     // k, v
-            + 2 * (f * e + b * f)       // gate, up
-            + e * f + b * e;            // down
+    block = 2 * e                    // attn_norm, mlp_norm
+            + 2 * (e * e + b * e)    // q, o
+            + 2 * (kv * e + b * kv)  // k, v
+            + 2 * (f * e + b * f)    // gate, up
+            + e * f + b * e;         // down
     embedding = c.vocab_size * e;
-    head = e + c.vocab_size * e;        // norm, lm_head (untied)
+    head = e + c.vocab_size * e;  // norm, lm_head (untied)
   }
   size.params = embedding + c.n_layer * block + head;
   size.largest_unit = std::max({embedding, block, head});
@@ -65,11 +68,13 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
   plan.world_size = world_size;
   const cai_config& m = *job.model;
   if (GetString(m, "kind") == "torchscript") {
-    throw Error(CAI_UNIMPLEMENTED, "cai plan sizes zoo models from their config; a TorchScript "
-                                   "model's size is known only once loaded (model.kind)");
+    throw Error(CAI_UNIMPLEMENTED,
+                "cai plan sizes zoo models from their config; a TorchScript "
+                "model's size is known only once loaded (model.kind)");
   }
   ModelConfig config;
-  config.arch = GetString(m, "kind") == "llama" ? ModelConfig::Arch::kLlama : ModelConfig::Arch::kGpt2;
+  config.arch =
+      GetString(m, "kind") == "llama" ? ModelConfig::Arch::kLlama : ModelConfig::Arch::kGpt2;
   config.vocab_size = GetInt(m, "vocab_size");
   config.n_ctx = GetInt(m, "n_ctx");
   config.n_layer = GetInt(m, "n_layer");
@@ -90,8 +95,8 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
   const bool mixed = plan.precision != CAI_PRECISION_FP32;
   const std::string kind = GetString(*job.optimizer, "kind");
   const double k = kind == "sgd" ? (GetFloat(*job.optimizer, "momentum") > 0 ? 4 : 0) : 8;
-  const double p = mixed ? 2 : 4;        // bytes of a parameter / gradient as trained
-  const double master = mixed ? 4 : 0;   // fp32 master copy
+  const double p = mixed ? 2 : 4;       // bytes of a parameter / gradient as trained
+  const double master = mixed ? 4 : 0;  // fp32 master copy
   const double unit = static_cast<double>(plan.size.largest_unit);
   // ZeRO paper's formulas (parallel-training-anchors.md §7) with K = master + optimizer state.
   struct Formula {
@@ -126,8 +131,12 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
     }
   }
   for (const Formula& f : formulas) {
-    StrategyEstimate e{f.name, f.plugin, installed.count(f.plugin) > 0,
-                       static_cast<uint64_t>(f.device), static_cast<uint64_t>(f.host), f.text};
+    StrategyEstimate e{f.name,
+                       f.plugin,
+                       installed.count(f.plugin) > 0,
+                       static_cast<uint64_t>(f.device),
+                       static_cast<uint64_t>(f.host),
+                       f.text};
     plan.estimates.push_back(e);
   }
   // Third-party strategies that can estimate themselves.
@@ -147,7 +156,8 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
     cai_memory_estimate out{};
     out.struct_size = CAI_MEMORY_ESTIMATE_STRUCT_SIZE;
     ThrowIfError(plugin->api->estimate_memory(&args, &out));
-    uint64_t total = out.param_bytes + out.grad_bytes + out.optimizer_state_bytes + out.master_bytes;
+    uint64_t total =
+        out.param_bytes + out.grad_bytes + out.optimizer_state_bytes + out.master_bytes;
     plan.estimates.push_back({name, name, true, out.device_bytes ? out.device_bytes : total,
                               out.host_bytes, out.formula ? out.formula : ""});
   }
@@ -178,8 +188,8 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
     if (name == "none") {
       if (fits(replica)) {
         plan.choice = "none";
-        plan.reason = band + "; the replica needs " + Bytes(replica) + " of " +
-                      Bytes(plan.device_budget);
+        plan.reason =
+            band + "; the replica needs " + Bytes(replica) + " of " + Bytes(plan.device_budget);
         return plan;
       }
       passed.push_back("none (needs " + Bytes(replica) + ")");
@@ -234,8 +244,9 @@ void PrintPlan(const Plan& plan, std::ostream& out) {
       << double(plan.size.params) / 1e9 << "B); largest unit " << plan.size.largest_unit
       << "\nranks: " << plan.world_size << ", precision " << precision
       << ", device memory per rank " << Bytes(plan.device_budget) << "\n\n";
-  out << std::left << std::setw(40) << "strategy" << std::setw(14) << "device/rank"
-      << std::setw(14) << "host/rank" << std::setw(11) << "installed" << "formula\n";
+  out << std::left << std::setw(40) << "strategy" << std::setw(14) << "device/rank" << std::setw(14)
+      << "host/rank" << std::setw(11) << "installed"
+      << "formula\n";
   for (const StrategyEstimate& e : plan.estimates) {
     out << std::left << std::setw(40) << e.name << std::setw(14) << Bytes(e.device_bytes)
         << std::setw(14) << Bytes(e.host_bytes) << std::setw(11) << (e.installed ? "yes" : "no")

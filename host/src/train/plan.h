@@ -23,8 +23,8 @@ struct ModelSize {
 ModelSize ZooModelSize(const ModelConfig& config);
 
 struct StrategyEstimate {
-  std::string name;         // "ddp", "low_level_zero (stage 2)", ...
-  std::string plugin;       // the plugin it needs
+  std::string name;    // "ddp", "low_level_zero (stage 2)", ...
+  std::string plugin;  // the plugin it needs
   bool installed = false;
   uint64_t device_bytes = 0;  // per rank, model states (+ FSDP's gathered units)
   uint64_t host_bytes = 0;    // per rank, offloaded states
@@ -35,9 +35,9 @@ struct Plan {
   ModelSize size;
   int world_size = 1;
   cai_precision precision = CAI_PRECISION_FP32;
-  uint64_t device_budget = 0;   // what one rank's device tier may hold
+  uint64_t device_budget = 0;  // what one rank's device tier may hold
   std::vector<StrategyEstimate> estimates;
-  std::string choice;           // plugin name auto picks
+  std::string choice;  // plugin name auto picks
   std::string reason;
 };
 

@@ -16,9 +16,12 @@ using sdk::Host;
 
 cai_dtype DtypeOf(cai_precision precision) {
   switch (precision) {
-    case CAI_PRECISION_BF16: return {CAI_DTYPE_BFLOAT, 16, 1};
-    case CAI_PRECISION_FP16: return {CAI_DTYPE_FLOAT, 16, 1};
-    default: return {CAI_DTYPE_FLOAT, 32, 1};
+    case CAI_PRECISION_BF16:
+      return {CAI_DTYPE_BFLOAT, 16, 1};
+    case CAI_PRECISION_FP16:
+      return {CAI_DTYPE_FLOAT, 16, 1};
+    default:
+      return {CAI_DTYPE_FLOAT, 32, 1};
   }
 }
 
@@ -35,14 +38,14 @@ class Reference {
  public:
   static constexpr const char* kName = "none";
   static constexpr const char* kVersion = CAI_VERSION;
-  static constexpr uint64_t kCapabilities = CAI_CAP_PRECISION_FP32 | CAI_CAP_PRECISION_BF16 |
-                                            CAI_CAP_PRECISION_FP16 | CAI_CAP_NO_SYNC;
+  static constexpr uint64_t kCapabilities =
+      CAI_CAP_PRECISION_FP32 | CAI_CAP_PRECISION_BF16 | CAI_CAP_PRECISION_FP16 | CAI_CAP_NO_SYNC;
   static std::span<const cai_config_key> ConfigKeys() {
     static constexpr cai_config_key kKeys[] = {
         sdk::FloatKey("initial_scale", "65536.0", "fp16: initial loss scale.", 1, 0,
                       CAI_CONFIG_HAS_MIN),
-        sdk::IntKey("growth_interval", "1000", "fp16: clean steps before the scale doubles.", 1,
-                    0, CAI_CONFIG_HAS_MIN),
+        sdk::IntKey("growth_interval", "1000", "fp16: clean steps before the scale doubles.", 1, 0,
+                    CAI_CONFIG_HAS_MIN),
         sdk::IntKey("hysteresis", "2", "fp16: overflowing steps before the scale halves.", 1, 0,
                     CAI_CONFIG_HAS_MIN),
     };
@@ -246,8 +249,8 @@ class Reference {
     out.grad_bytes = (mixed ? 2 : 4) * psi;
     out.master_bytes = mixed ? 4 * psi : 0;
     out.optimizer_state_bytes = 4ull * args.optimizer_state_slots * psi;
-    out.device_bytes = out.param_bytes + out.grad_bytes + out.master_bytes +
-                       out.optimizer_state_bytes;
+    out.device_bytes =
+        out.param_bytes + out.grad_bytes + out.master_bytes + out.optimizer_state_bytes;
     out.formula = mixed ? "(2 + 2 + 4 + 4k)Ψ" : "(4 + 4 + 4k)Ψ";
   }
 

@@ -15,7 +15,6 @@
 #include <thread>
 
 #include "checkpoint/checkpoint.h"
-#include "services/host_table.h"
 #include "comm/comm_api.h"
 #include "comm/communicator.h"
 #include "core/json.h"
@@ -32,6 +31,7 @@
 #include "mem/mem_api.h"
 #include "model/model.h"
 #include "optim/optimizer.h"
+#include "services/host_table.h"
 #include "train/job.h"
 #include "train/plan.h"
 #include "train/reference_strategy.h"
@@ -116,8 +116,9 @@ std::unique_ptr<Model> BuildModel(const JobConfig& job, uint64_t seed) {
   if (kind == "torchscript") {
     const std::string& path = GetString(m, "path");
     if (path.empty()) {
-      throw Error(CAI_INVALID_ARGUMENT, "[model] kind = \"torchscript\" needs model.path, the "
-                                        "TorchScript file to train");
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "[model] kind = \"torchscript\" needs model.path, the "
+                  "TorchScript file to train");
     }
     if (!fs::is_regular_file(path)) {
       throw Error(CAI_NOT_FOUND, "model.path: TorchScript file '" + path + "' not found");
@@ -159,7 +160,9 @@ std::unique_ptr<Optimizer> BuildOptimizer(const JobConfig& job) {
   const int64_t decay = GetInt(o, "decay_steps");
   schedule.total_steps = decay > 0 ? decay : GetInt(*job.train, "steps");
   schedule.min_lr_ratio = GetFloat(o, "min_lr_ratio");
-  cai_optim_kind k = kind == "adam" ? CAI_OPTIM_ADAM : kind == "sgd" ? CAI_OPTIM_SGD : CAI_OPTIM_ADAMW;
+  cai_optim_kind k = kind == "adam"  ? CAI_OPTIM_ADAM
+                     : kind == "sgd" ? CAI_OPTIM_SGD
+                                     : CAI_OPTIM_ADAMW;
   return std::make_unique<Optimizer>(k, groups, schedule, GetFloat(o, "max_grad_norm"));
 }
 
@@ -174,10 +177,12 @@ std::vector<data::Token> LoadTokens(const JobConfig& job, int64_t vocab_size) {
     return std::vector<data::Token>(file.tokens().begin(), file.tokens().end());
   }
   if (vocab_size < 256) {
-    throw Error(CAI_INVALID_ARGUMENT,
-                "model.vocab_size = " + std::to_string(vocab_size) + " is below 256, but data "
-                "source '" + source + "' is byte-level text (ids 0..255); set model.vocab_size "
-                ">= 256");
+    throw Error(CAI_INVALID_ARGUMENT, "model.vocab_size = " + std::to_string(vocab_size) +
+                                          " is below 256, but data "
+                                          "source '" +
+                                          source +
+                                          "' is byte-level text (ids 0..255); set model.vocab_size "
+                                          ">= 256");
   }
   if (source == "default") return data::DefaultCorpusTokens();
   std::ifstream in(path, std::ios::binary);
@@ -341,22 +346,23 @@ void Run::Setup() {
   strategy_ = SelectStrategy(job_.plugin, options_.plugin_paths, host_);
   plugin_config_ = ResolvePluginConfig(job_, strategy_.schema);
   if (!(strategy_.api->capabilities & PrecisionCapability(precision_))) {
-    throw Error(CAI_FAILED_PRECONDITION,
-                "strategy '" + strategy_.name + "' does not train in " +
-                    GetString(train, "precision") + "; see `cai plugins info " + strategy_.name +
-                    "` for its precisions, or set train.precision");
+    throw Error(CAI_FAILED_PRECONDITION, "strategy '" + strategy_.name + "' does not train in " +
+                                             GetString(train, "precision") +
+                                             "; see `cai plugins info " + strategy_.name +
+                                             "` for its precisions, or set train.precision");
   }
   if (GetString(*job_.launch, "backend") == "nccl") {
-    throw Error(CAI_UNIMPLEMENTED, "launch.backend = \"nccl\" needs CUDA devices, and this cai "
-                                   "host trains on the CPU; use \"gloo\"");
+    throw Error(CAI_UNIMPLEMENTED,
+                "launch.backend = \"nccl\" needs CUDA devices, and this cai "
+                "host trains on the CPU; use \"gloo\"");
   }
 
   model_ = BuildModel(job_, seed);
   const cai_config& m = *job_.model;
   if (GetString(m, "kind") != "torchscript" && seq_len_ > GetInt(m, "n_ctx")) {
-    throw Error(CAI_INVALID_ARGUMENT, "train.seq_len = " + std::to_string(seq_len_) +
-                                          " exceeds model.n_ctx = " +
-                                          std::to_string(GetInt(m, "n_ctx")));
+    throw Error(CAI_INVALID_ARGUMENT,
+                "train.seq_len = " + std::to_string(seq_len_) +
+                    " exceeds model.n_ctx = " + std::to_string(GetInt(m, "n_ctx")));
   }
   optimizer_ = BuildOptimizer(job_);
 
@@ -401,15 +407,16 @@ void Run::Setup() {
       args.optimizer = true;
       ThrowIfError(strategy_.api->load(instance_, &args));
       start_step_ = reader.step();
-      Log(CAI_LOG_INFO, "", "resumed from " + latest->string() + " (step " +
-                                std::to_string(start_step_) + ", saved by " +
-                                std::to_string(reader.saved_world_size()) + " ranks)");
+      Log(CAI_LOG_INFO, "",
+          "resumed from " + latest->string() + " (step " + std::to_string(start_step_) +
+              ", saved by " + std::to_string(reader.saved_world_size()) + " ranks)");
     }
   }
   if (env_.rank == 0) {
     metrics_.open(run_dir_ / "metrics.jsonl", start_step_ > 0 ? std::ios::app : std::ios::trunc);
-    if (!metrics_) throw Error(CAI_PERMISSION_DENIED, (run_dir_ / "metrics.jsonl").string() +
-                                                          ": cannot be written");
+    if (!metrics_)
+      throw Error(CAI_PERMISSION_DENIED,
+                  (run_dir_ / "metrics.jsonl").string() + ": cannot be written");
     std::ofstream(run_dir_ / "config.resolved.toml") << job_.resolved_toml;
   }
 }
@@ -568,8 +575,9 @@ int Run::Execute() {
     std::cerr << "cai: resolved configuration (also in " << (run_dir_ / "config.resolved.toml")
               << "):\n"
               << job_.resolved_toml;
-    Log(CAI_LOG_INFO, "", std::string("model: ") + model_->Describe() + "; strategy: " +
-                              strategy_.name + "; ranks: " + std::to_string(env_.world_size));
+    Log(CAI_LOG_INFO, "",
+        std::string("model: ") + model_->Describe() + "; strategy: " + strategy_.name +
+            "; ranks: " + std::to_string(env_.world_size));
   }
   progress_bar_ = env_.rank == 0 && env_.world_size == 1 && isatty(STDERR_FILENO);
   const int64_t eval_every = GetInt(*job_.train, "eval_every");
@@ -578,8 +586,8 @@ int Run::Execute() {
   for (int64_t step = start_step_ + 1; step <= steps_; ++step) {
     const auto t0 = Clock::now();
     const cai_comm_counters before = Counters();
-    auto chunks = RankChunks(train_sampler_->GlobalBatchStarts(step - 1), env_.rank,
-                             env_.world_size, accum_);
+    auto chunks =
+        RankChunks(train_sampler_->GlobalBatchStarts(step - 1), env_.rank, env_.world_size, accum_);
     double local_loss = 0;
     for (int64_t i = 0; i < accum_; ++i) {
       if (strategy_.api->no_sync && accum_ > 1) {
@@ -645,9 +653,9 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
                 "run directory " + run_dir.string() + " cannot be created: " + ec.message());
   }
   AddLogFile((run_dir / "logs" / ("rank-" + std::to_string(env.rank) + ".log")).string());
-  Log(CAI_LOG_INFO, "", "rank " + std::to_string(env.rank) + " of " +
-                            std::to_string(env.world_size) + " (pid " + std::to_string(getpid()) +
-                            ", joined through " + env.launcher + ")");
+  Log(CAI_LOG_INFO, "",
+      "rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) + " (pid " +
+          std::to_string(getpid()) + ", joined through " + env.launcher + ")");
   CommOptions comm;
   comm.rank = env.rank;
   comm.world_size = env.world_size;

@@ -9,9 +9,9 @@ namespace cai {
 
 struct TrainOptions {
   std::filesystem::path job_file;
-  int nproc = 0;                       // 0: launch.nproc of the job
-  std::filesystem::path run_dir;       // empty: runs/<job name>-<time>
-  std::vector<std::string> sets;       // --set key=value, in order
+  int nproc = 0;                                    // 0: launch.nproc of the job
+  std::filesystem::path run_dir;                    // empty: runs/<job name>-<time>
+  std::vector<std::string> sets;                    // --set key=value, in order
   std::vector<std::filesystem::path> plugin_paths;  // --plugin-path
 };
 

@@ -31,8 +31,9 @@ fs::path FindManifest(const fs::path& path) {
     if (e.path().extension() == ".toml") tomls.push_back(e.path());
   }
   if (tomls.size() == 1) return tomls.front();
-  throw Error(CAI_NOT_FOUND, path.string() + ": no manifest found beside the library; pass the "
-                                             "plugin's .toml instead");
+  throw Error(CAI_NOT_FOUND, path.string() +
+                                 ": no manifest found beside the library; pass the "
+                                 "plugin's .toml instead");
 }
 
 bool IsLinkerSymbol(const std::string& s) {
@@ -130,8 +131,8 @@ std::vector<CheckResult> Run(const fs::path& path, const cai_host_api* host) {
       throw Error(CAI_FAILED_PRECONDITION, "the entry threw a C++ exception across the ABI");
     }
     if (!status) {
-      throw Error(CAI_FAILED_PRECONDITION, "initialised against a host of ABI major " +
-                                               std::to_string(CAI_ABI_MAJOR + 1));
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "initialised against a host of ABI major " + std::to_string(CAI_ABI_MAJOR + 1));
     }
     std::string message = StatusMessage(status);
     DestroyStatus(status);

@@ -6,7 +6,6 @@
 // It builds for ABI 1.0 hosts: nothing newer than 1.0 is required.
 #define CAI_TARGET_ABI_MINOR 0
 #include <cai/sdk.hpp>
-
 #include <cmath>
 #include <string>
 #include <vector>
@@ -38,9 +37,9 @@ class HelloStrategy {
       : root_(static_cast<int32_t>(cai::sdk::Config(args.config).Int("broadcast_from"))),
         timeout_ms_(cai::sdk::Config(args.config).Int("timeout_ms")) {
     if (root_ >= args.world_size) {
-      throw cai::sdk::Error(CAI_INVALID_ARGUMENT,
-                            "broadcast_from = " + std::to_string(root_) + " but there are only " +
-                                std::to_string(args.world_size) + " ranks");
+      throw cai::sdk::Error(CAI_INVALID_ARGUMENT, "broadcast_from = " + std::to_string(root_) +
+                                                      " but there are only " +
+                                                      std::to_string(args.world_size) + " ranks");
     }
   }
 
@@ -105,8 +104,8 @@ class HelloStrategy {
     const auto& optim = *Host().optimizer;
     // Sum gradients (the host weights each rank's loss by its share of the global batch, so the
     // sum is the global mean's gradient, also when ranks hold unequal shares), and sum their
-    // squares for the global norm (the same on every rank
-    // after the all-reduce, so no second collective is needed).
+    // squares for the global norm (the same on every rank after the all-reduce, so no second
+    // collective is needed).
     double sum_squares = 0;
     std::vector<cai_tensor> grads(params_.size());
     for (size_t k = 0; k < params_.size(); ++k) {
@@ -229,8 +228,13 @@ class HelloStrategy {
         for (size_t s = 0; s < p.state.size(); ++s) {
           int64_t numel = static_cast<int64_t>(p.numel);
           int64_t stride = 1;
-          cai_tensor t{p.state[s].data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_FLOAT, 32, 1},
-                       &numel, &stride, 0};
+          cai_tensor t{p.state[s].data(),
+                       {CAI_DEVICE_CPU, 0},
+                       1,
+                       {CAI_DTYPE_FLOAT, 32, 1},
+                       &numel,
+                       &stride,
+                       0};
           fn(("optim/" + std::string(info.name) + "/" + std::to_string(s)).c_str(), t);
         }
       }

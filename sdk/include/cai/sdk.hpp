@@ -130,15 +130,31 @@ class Config {
 constexpr cai_config_key BoolKey(const char* name, const char* def, const char* doc) {
   return {CAI_CONFIG_KEY_STRUCT_SIZE, nullptr, name, CAI_CONFIG_BOOL, def, doc, nullptr, 0, 0, 0};
 }
-constexpr cai_config_key IntKey(const char* name, const char* def, const char* doc,
-                                double min = 0, double max = 0, uint64_t flags = 0) {
-  return {CAI_CONFIG_KEY_STRUCT_SIZE, nullptr, name, CAI_CONFIG_INT, def, doc, nullptr, flags, min,
+constexpr cai_config_key IntKey(const char* name, const char* def, const char* doc, double min = 0,
+                                double max = 0, uint64_t flags = 0) {
+  return {CAI_CONFIG_KEY_STRUCT_SIZE,
+          nullptr,
+          name,
+          CAI_CONFIG_INT,
+          def,
+          doc,
+          nullptr,
+          flags,
+          min,
           max};
 }
 constexpr cai_config_key FloatKey(const char* name, const char* def, const char* doc,
                                   double min = 0, double max = 0, uint64_t flags = 0) {
-  return {CAI_CONFIG_KEY_STRUCT_SIZE, nullptr, name, CAI_CONFIG_FLOAT, def, doc, nullptr, flags,
-          min, max};
+  return {CAI_CONFIG_KEY_STRUCT_SIZE,
+          nullptr,
+          name,
+          CAI_CONFIG_FLOAT,
+          def,
+          doc,
+          nullptr,
+          flags,
+          min,
+          max};
 }
 constexpr cai_config_key StringKey(const char* name, const char* def, const char* doc,
                                    const char* const* choices = nullptr) {
@@ -275,9 +291,8 @@ cai_plugin_api MakeTable() {
   api.num_config_keys = keys.size();
   api.create = [](const cai_create_args* args, cai_strategy** out) -> cai_status* {
     if (!out) return MakeStatus(CAI_INVALID_ARGUMENT, "create: out is NULL");
-    return WithArgs(args, [&](const cai_create_args& a) {
-      *out = reinterpret_cast<cai_strategy*>(new T(a));
-    });
+    return WithArgs(
+        args, [&](const cai_create_args& a) { *out = reinterpret_cast<cai_strategy*>(new T(a)); });
   };
   api.destroy = [](cai_strategy* s) { delete Self<T>(s); };
   api.boost = [](cai_strategy* s, const cai_boost_args* args) {
@@ -351,8 +366,8 @@ cai_status* Init(cai_plugin_init_args* args) noexcept {
                   std::to_string(args->host_abi_minor));
   }
   if (args->host_abi_minor < CAI_TARGET_ABI_MINOR) {
-    return refuse(std::string(T::kName) + " needs host ABI " + std::to_string(CAI_ABI_MAJOR) +
-                  "." + std::to_string(CAI_TARGET_ABI_MINOR) + " or newer; the host is " +
+    return refuse(std::string(T::kName) + " needs host ABI " + std::to_string(CAI_ABI_MAJOR) + "." +
+                  std::to_string(CAI_TARGET_ABI_MINOR) + " or newer; the host is " +
                   std::to_string(args->host_abi_major) + "." +
                   std::to_string(args->host_abi_minor));
   }
@@ -370,9 +385,9 @@ cai_status* Init(cai_plugin_init_args* args) noexcept {
 }  // namespace cai::sdk
 
 // Defines the plugin's single exported symbol for strategy class T.
-#define CAI_PLUGIN(T)                                                                 \
+#define CAI_PLUGIN(T)                                                                \
   extern "C" CAI_EXPORT cai_status* cai_plugin_init_v1(cai_plugin_init_args* args) { \
-    return ::cai::sdk::detail::Init<T>(args);                                         \
+    return ::cai::sdk::detail::Init<T>(args);                                        \
   }
 
 #endif  // CAI_SDK_HPP_

@@ -155,10 +155,24 @@ static cai_status* stats(cai_strategy* s, cai_strategy_stats* out) {
   return NULL;
 }
 
-static const cai_plugin_api kApi = {
-    CAI_PLUGIN_API_STRUCT_SIZE, NULL, "c_replica", "1.0.0", CAI_CAP_PRECISION_FP32, kKeys,
-    sizeof kKeys / sizeof kKeys[0], create, destroy, boost, forward_backward, NULL, NULL, step,
-    zero_grad, no_checkpoint, no_checkpoint, stats};
+static const cai_plugin_api kApi = {CAI_PLUGIN_API_STRUCT_SIZE,
+                                    NULL,
+                                    "c_replica",
+                                    "1.0.0",
+                                    CAI_CAP_PRECISION_FP32,
+                                    kKeys,
+                                    sizeof kKeys / sizeof kKeys[0],
+                                    create,
+                                    destroy,
+                                    boost,
+                                    forward_backward,
+                                    NULL,
+                                    NULL,
+                                    step,
+                                    zero_grad,
+                                    no_checkpoint,
+                                    no_checkpoint,
+                                    stats};
 
 CAI_EXPORT cai_status* cai_plugin_init_v1(cai_plugin_init_args* args) {
   if (!args || !args->host) return NULL;

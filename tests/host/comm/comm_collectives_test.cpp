@@ -44,8 +44,8 @@ TEST(Comm, Comm_TwoAndThreeRanks_AllReduceEveryDtypeAndOp_MatchesReference) {
   for (int world : {2, 3}) {
     RunRanks(world, [](const RankContext& ctx) {
       InitRank(ctx, kTimeout);
-      for (cai_reduce_op op : {CAI_REDUCE_SUM, CAI_REDUCE_AVG, CAI_REDUCE_MAX, CAI_REDUCE_MIN,
-                               CAI_REDUCE_PRODUCT}) {
+      for (cai_reduce_op op :
+           {CAI_REDUCE_SUM, CAI_REDUCE_AVG, CAI_REDUCE_MAX, CAI_REDUCE_MIN, CAI_REDUCE_PRODUCT}) {
         CheckAllReduce<float>(ctx, kF32, op, 1001);
         CheckAllReduce<double>(ctx, kF64, op, 1001);
         CheckAllReduce<int32_t>(ctx, kI32, op, 1001);
@@ -310,8 +310,8 @@ TEST(Comm, Comm_TwoAndThreeRanks_AsyncOpsInFlight_CompleteInIssueOrderWithCorrec
       for (int k = 0; k < kOps; ++k) {
         CAI_EXPECT_OK(Api().work_wait(works[k], 0));
         Api().work_release(works[k]);
-        const float want = static_cast<float>(ctx.world_size * k +
-                                              ctx.world_size * (ctx.world_size - 1) / 2);
+        const float want =
+            static_cast<float>(ctx.world_size * k + ctx.world_size * (ctx.world_size - 1) / 2);
         for (float v : xs[k]->data) ASSERT_EQ(v, want) << k;
       }
     });

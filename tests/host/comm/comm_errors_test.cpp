@@ -30,13 +30,12 @@ TEST(Comm, Comm_TwoAndThreeRanks_CollectiveWithAbsentRank_TimesOutNamingRankAndO
       // rank leaves (8 s), so only the timeout can have ended the wait.
       EXPECT_LT(took, milliseconds(1500 + 5000)) << o.message;
       EXPECT_GE(took, milliseconds(1400)) << o.message;
-      EXPECT_NE(o.message.find("all_reduce #1 on group 'world'"), std::string::npos)
-          << o.message;
+      EXPECT_NE(o.message.find("all_reduce #1 on group 'world'"), std::string::npos) << o.message;
       EXPECT_NE(o.message.find("(rank " + std::to_string(ctx.rank) + " of"), std::string::npos)
           << o.message;
-      EXPECT_NE(o.message.find("rank " + std::to_string(absent) +
-                               " has not started any collective"),
-                std::string::npos)
+      EXPECT_NE(
+          o.message.find("rank " + std::to_string(absent) + " has not started any collective"),
+          std::string::npos)
           << o.message;
       // The group is now unusable; later operations fail at once instead of hanging.
       Outcome next = Take(Api().run(&args, nullptr));
@@ -68,26 +67,25 @@ TEST(Comm, Comm_TwoRanks_RecvWithoutSender_TimesOutNamingPeer) {
 }
 
 TEST(Comm, Comm_ThreeRanks_RendezvousWithRankMissing_NamesIt) {
-  RunRanks(
-      3,
-      [](const RankContext& ctx) {
-        // Rank 0 serves the store, so its report is the one that cannot race the store's
-        // shutdown; rank 1 must fail too, however its store connection ends.
-        try {
-          InitRank(ctx, milliseconds(1500));
-          ADD_FAILURE() << "init succeeded without rank 2";
-        } catch (const Error& e) {
-          if (ctx.rank == 0) {
-            EXPECT_EQ(e.code(), CAI_DEADLINE_EXCEEDED) << e.what();
-            EXPECT_NE(std::string(e.what()).find("rank 2 did not join"), std::string::npos)
-                << e.what();
-          }
-        } catch (const std::exception& e) {
-          EXPECT_NE(ctx.rank, 0) << e.what();
-        }
-        EXPECT_EQ(Communicator::Get(), nullptr);
-      },
-      {0, 1});
+  RunRanks(3,
+           [](const RankContext& ctx) {
+             // Rank 0 serves the store, so its report is the one that cannot race the store's
+             // shutdown; rank 1 must fail too, however its store connection ends.
+             try {
+               InitRank(ctx, milliseconds(1500));
+               ADD_FAILURE() << "init succeeded without rank 2";
+             } catch (const Error& e) {
+               if (ctx.rank == 0) {
+                 EXPECT_EQ(e.code(), CAI_DEADLINE_EXCEEDED) << e.what();
+                 EXPECT_NE(std::string(e.what()).find("rank 2 did not join"), std::string::npos)
+                     << e.what();
+               }
+             } catch (const std::exception& e) {
+               EXPECT_NE(ctx.rank, 0) << e.what();
+             }
+             EXPECT_EQ(Communicator::Get(), nullptr);
+           },
+           {0, 1});
 }
 
 TEST(Comm, Comm_NotInitialised_ApiFailsWithFailedPrecondition) {
@@ -153,8 +151,7 @@ TEST(Comm, Comm_TwoRanks_InvalidArguments_RejectedWithClearMessages) {
     strided.t.ndim = 2;
     strided.t.shape = shape;
     strided.t.strides = strides;
-    expect(Args(CAI_COMM_ALL_REDUCE, nullptr, &strided.t), CAI_INVALID_ARGUMENT,
-           "not contiguous");
+    expect(Args(CAI_COMM_ALL_REDUCE, nullptr, &strided.t), CAI_INVALID_ARGUMENT, "not contiguous");
     HostTensor<float> gpu(3, kF32);
     gpu.t.device = {CAI_DEVICE_CUDA, 0};
     expect(Args(CAI_COMM_ALL_REDUCE, nullptr, &gpu.t), CAI_UNIMPLEMENTED, "host memory only");

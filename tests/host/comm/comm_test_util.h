@@ -101,8 +101,7 @@ inline void RunRanks(int world_size, const std::function<void(const RankContext&
         reaped[i] = true;
         --left;
         EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-            << "rank " << started[i] << " of " << world_size << " failed (status " << status
-            << ")";
+            << "rank " << started[i] << " of " << world_size << " failed (status " << status << ")";
       }
     }
     if (left > 0 && std::chrono::steady_clock::now() > deadline) {
@@ -168,10 +167,10 @@ inline Outcome Take(cai_status* status) {
   return o;
 }
 
-#define CAI_EXPECT_OK(expr)                          \
-  do {                                               \
+#define CAI_EXPECT_OK(expr)                            \
+  do {                                                 \
     ::cai::test::Outcome o_ = ::cai::test::Take(expr); \
-    ASSERT_EQ(o_.code, CAI_OK) << o_.message;        \
+    ASSERT_EQ(o_.code, CAI_OK) << o_.message;          \
   } while (0)
 
 inline void RunOp(cai_comm_args args) { CAI_EXPECT_OK(CommApi()->run(&args, nullptr)); }

@@ -1,11 +1,12 @@
 // Schema validation of configuration tables and the helpers behind its messages.
+#include "loader/config.h"
+
 #include <gtest/gtest.h>
 #include <toml++/toml.h>
 
 #include "cai/sdk.hpp"
 #include "core/status.h"
 #include "core/strings.h"
-#include "loader/config.h"
 #include "loader/file_checks.h"
 
 namespace cai {

@@ -20,18 +20,19 @@ using cai::testing::Result;
 
 // Runs `cai ARGS` with only the given plugin search variables set.
 Result Cai(const std::string& args, const std::string& env = "") {
-  return cai::testing::RunCommand("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent " + env +
-                           " " + CAI_EXE + " " + args);
+  return cai::testing::RunCommand("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent " +
+                                  env + " " + CAI_EXE + " " + args);
 }
 
 std::string ManifestText(const std::string& name, const std::string& library,
-                         const std::string& extra_plugin = "", const std::string& abi = "major = 1\nmin_host_minor = 0",
+                         const std::string& extra_plugin = "",
+                         const std::string& abi = "major = 1\nmin_host_minor = 0",
                          const std::string& extra_library = "") {
   return "manifest_version = 1\n[plugin]\nname = \"" + name +
          "\"\nkind = \"strategy\"\nversion = \"1.0.0\"\nlicense = \"Apache-2.0\"\n"
-         "description = \"test\"\n" + extra_plugin + "[library]\npath = \"" + library +
-         "\"\nentry = \"cai_plugin_init_v1\"\n" + extra_library + "[abi]\n" + abi +
-         "\n[capabilities]\nprecisions = [\"fp32\"]\n";
+         "description = \"test\"\n" +
+         extra_plugin + "[library]\npath = \"" + library + "\"\nentry = \"cai_plugin_init_v1\"\n" +
+         extra_library + "[abi]\n" + abi + "\n[capabilities]\nprecisions = [\"fp32\"]\n";
 }
 
 class PluginDir {
@@ -60,7 +61,6 @@ class PluginDir {
     return toml;
   }
   void AddHello() { Add(HELLO_SO, "hello_strategy", cai::testing::ReadFile(HELLO_TOML)); }
-
 
  private:
   fs::path path_;
@@ -121,8 +121,9 @@ TEST(PluginLoading, MissingKey_NamesKey) {
 TEST(PluginLoading, WrongType_NamesKeyAndType) {
   PluginDir dir;
   dir.AddHello();
-  auto bad = dir.Add(C_REPLICA_SO, "c_replica",
-                     ManifestText("c_replica", Lib(C_REPLICA_SO), "", "major = \"1\"\nmin_host_minor = 0"));
+  auto bad = dir.Add(
+      C_REPLICA_SO, "c_replica",
+      ManifestText("c_replica", Lib(C_REPLICA_SO), "", "major = \"1\"\nmin_host_minor = 0"));
   ExpectBrokenBesideGood(dir, bad, "key 'abi.major' (line 12) must be an integer");
 }
 
@@ -131,17 +132,20 @@ TEST(PluginLoading, UnknownKey_NamesNearestValidKey) {
   dir.AddHello();
   auto bad = dir.Add(C_REPLICA_SO, "c_replica",
                      ManifestText("c_replica", Lib(C_REPLICA_SO), "licence = \"MIT\"\n"));
-  ExpectBrokenBesideGood(dir, bad, "unknown key 'plugin.licence' (line 8). did you mean 'license'?");
+  ExpectBrokenBesideGood(dir, bad,
+                         "unknown key 'plugin.licence' (line 8). did you mean 'license'?");
 }
 
 TEST(PluginLoading, LibraryPathEscapingTheDirectory_IsRefused) {
-  for (const std::string& path : {std::string("../") + Lib(C_REPLICA_SO),
-                                  std::string("/usr/lib/") + Lib(C_REPLICA_SO)}) {
+  for (const std::string& path :
+       {std::string("../") + Lib(C_REPLICA_SO), std::string("/usr/lib/") + Lib(C_REPLICA_SO)}) {
     PluginDir dir;
     dir.AddHello();
     auto bad = dir.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", path));
-    ExpectBrokenBesideGood(dir, bad, "library.path '" + path + "' must be a file name in the "
-                                     "manifest's directory");
+    ExpectBrokenBesideGood(dir, bad,
+                           "library.path '" + path +
+                               "' must be a file name in the "
+                               "manifest's directory");
   }
 }
 
@@ -149,8 +153,8 @@ TEST(PluginLoading, MissingLibrary_NamesLibraryAndManifest) {
   PluginDir dir;
   dir.AddHello();
   auto bad = dir.Add("", "ghost", ManifestText("ghost", "libghost.so"));
-  ExpectBrokenBesideGood(dir, bad, (dir.path() / "libghost.so").string() +
-                                       ": plugin library not found");
+  ExpectBrokenBesideGood(dir, bad,
+                         (dir.path() / "libghost.so").string() + ": plugin library not found");
 }
 
 TEST(PluginLoading, LibraryWithoutEntrySymbol_FailsToLoadOthersStillLoad) {
@@ -182,8 +186,8 @@ TEST(PluginLoading, EntryThatThrows_IsCaughtAndReported) {
 TEST(PluginLoading, AbiMajorMismatch_IsRefusedBeforeLoading) {
   PluginDir dir;
   dir.AddHello();
-  auto bad = dir.Add(THROWING_SO, "future", ManifestText("future", Lib(THROWING_SO), "",
-                                                         "major = 2\nmin_host_minor = 0"));
+  auto bad = dir.Add(THROWING_SO, "future",
+                     ManifestText("future", Lib(THROWING_SO), "", "major = 2\nmin_host_minor = 0"));
   // The throwing library is never run: the manifest alone refuses it.
   ExpectBrokenBesideGood(dir, bad, "plugin is built for cai ABI 2.x; this host speaks ABI 1.1");
 }
@@ -191,9 +195,9 @@ TEST(PluginLoading, AbiMajorMismatch_IsRefusedBeforeLoading) {
 TEST(PluginLoading, PluginNeedingNewerHostMinor_IsRefused) {
   PluginDir dir;
   dir.AddHello();
-  auto by_manifest = dir.Add(C_REPLICA_SO, "c_replica",
-                             ManifestText("c_replica", Lib(C_REPLICA_SO), "",
-                                          "major = 1\nmin_host_minor = 7"));
+  auto by_manifest =
+      dir.Add(C_REPLICA_SO, "c_replica",
+              ManifestText("c_replica", Lib(C_REPLICA_SO), "", "major = 1\nmin_host_minor = 7"));
   ExpectBrokenBesideGood(dir, by_manifest, "plugin needs host ABI 1.7 or newer; this host is 1.1");
   // A manifest that understates what the library needs is caught by the negotiation.
   PluginDir dir2;
@@ -208,8 +212,8 @@ TEST(PluginLoading, Sha256Mismatch_IsRefusedAndMatchAccepted) {
   dir.AddHello();
   std::string wrong(64, 'a');
   auto bad = dir.Add(C_REPLICA_SO, "c_replica",
-                     ManifestText("c_replica", Lib(C_REPLICA_SO), "", "major = 1\nmin_host_minor = 0",
-                                  "sha256 = \"" + wrong + "\"\n"));
+                     ManifestText("c_replica", Lib(C_REPLICA_SO), "",
+                                  "major = 1\nmin_host_minor = 0", "sha256 = \"" + wrong + "\"\n"));
   ExpectBrokenBesideGood(dir, bad, "sha256 mismatch: manifest " + bad.string() + " says " + wrong);
   dir.Add(C_REPLICA_SO, "c_replica",
           ManifestText("c_replica", Lib(C_REPLICA_SO), "", "major = 1\nmin_host_minor = 0",
@@ -225,8 +229,9 @@ TEST(PluginLoading, DirectoryWritableByOthers_IsRefusedOtherDirsStillLoad) {
   Result r = Cai("plugins list", "CAI_PLUGIN_FILES=" + open_dir.str() + ":" + good_dir.str());
   EXPECT_NE(r.code, 0);
   ExpectContains(r.output, bad.string());
-  ExpectContains(r.output, open_dir.str() + ": refused: directory is writable by group or others "
-                                            "(mode 0777)");
+  ExpectContains(r.output, open_dir.str() +
+                               ": refused: directory is writable by group or others "
+                               "(mode 0777)");
   ExpectContains(r.output, "hello_strategy      0.1.0     1.0+    ok");
 }
 
@@ -235,8 +240,9 @@ TEST(PluginLoading, LibraryWritableByGroup_IsRefused) {
   dir.AddHello();
   auto bad = dir.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
   chmod((dir.path() / Lib(C_REPLICA_SO)).c_str(), 0775);
-  ExpectBrokenBesideGood(dir, bad, (dir.path() / Lib(C_REPLICA_SO)).string() +
-                                       ": refused: file is writable by group or others");
+  ExpectBrokenBesideGood(
+      dir, bad,
+      (dir.path() / Lib(C_REPLICA_SO)).string() + ": refused: file is writable by group or others");
 }
 
 TEST(PluginLoading, LibraryOwnedByAnotherUser_IsRefused) {
@@ -245,14 +251,17 @@ TEST(PluginLoading, LibraryOwnedByAnotherUser_IsRefused) {
   dir.AddHello();
   auto bad = dir.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
   ASSERT_EQ(chown((dir.path() / Lib(C_REPLICA_SO)).c_str(), 65534, 65534), 0);
-  ExpectBrokenBesideGood(dir, bad, "owned by uid 65534, which is neither root nor the current user");
+  ExpectBrokenBesideGood(dir, bad,
+                         "owned by uid 65534, which is neither root nor the current user");
 }
 
 TEST(PluginLoading, SameNameTwice_FirstWinsSecondReported) {
   PluginDir first, second;
   first.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
-  auto shadowed = second.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
-  Result r = Cai("--plugin-path " + first.str() + " plugins list", "CAI_PLUGIN_PATH=" + second.str());
+  auto shadowed =
+      second.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
+  Result r =
+      Cai("--plugin-path " + first.str() + " plugins list", "CAI_PLUGIN_PATH=" + second.str());
   EXPECT_NE(r.code, 0);
   ExpectContains(r.output, "c_replica           1.0.0     1.0+    ok      " +
                                (first.path() / "c_replica.toml").string());
@@ -262,10 +271,11 @@ TEST(PluginLoading, SameNameTwice_FirstWinsSecondReported) {
 
 TEST(PluginLoading, PluginFilesVariable_ReplacesTheSearchPath) {
   PluginDir listed, ignored;
-  auto manifest = listed.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
+  auto manifest =
+      listed.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
   ignored.AddHello();
-  Result r = Cai("plugins list", "CAI_PLUGIN_FILES=" + manifest.string() +
-                                     " CAI_PLUGIN_PATH=" + ignored.str());
+  Result r = Cai("plugins list",
+                 "CAI_PLUGIN_FILES=" + manifest.string() + " CAI_PLUGIN_PATH=" + ignored.str());
   EXPECT_EQ(r.code, 0) << r.output;
   ExpectContains(r.output, "c_replica");
   EXPECT_EQ(r.output.find("hello_strategy"), std::string::npos) << r.output;
@@ -282,6 +292,14 @@ TEST(PluginLoading, PluginFromFrozenV1_0Headers_LoadsAndPassesConformance) {
   // Its table ends at 1.0: the 1.1 field reads as absent, not as whatever follows in memory.
   ExpectContains(info.output, "estimate_memory: no");
   ExpectContains(info.output, "log_steps (bool, default false)");
+}
+
+TEST(PluginLoading, BuildTree_ListsTheExamplePluginBesideTheBinary) {
+  // No variables: the plugins beside bin/cai (<build>/<libdir>/cai/plugins) are found, as the
+  // packaged ones are beside an installed cai.
+  Result r = Cai("plugins list --json");
+  CAI_EXPECT_CONTAINS(r.output, "\"name\": \"hello_strategy\"");
+  CAI_EXPECT_CONTAINS(r.output, "\"found_in\": \"installed\", \"status\": \"ok\"");
 }
 
 TEST(PluginLoading, UnknownPluginName_ListsAvailable) {

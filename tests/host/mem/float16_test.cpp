@@ -1,5 +1,7 @@
 // The fp32 <-> bf16/fp16 conversions against an independent reference that rounds in double
 // arithmetic with std::nearbyint (round to nearest even) instead of bit manipulation.
+#include "mem/float16.h"
+
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -8,7 +10,6 @@
 #include <random>
 #include <vector>
 
-#include "mem/float16.h"
 #include "mem/kernels.h"
 
 namespace cai {
@@ -95,7 +96,8 @@ TEST(Float16, MidpointsBetweenNeighbours_RoundToEven) {
       if (std::isinf(hi) || std::isnan(hi)) break;
       const float mid = static_cast<float>((lo + hi) / 2);
       if (static_cast<double>(mid) != (lo + hi) / 2) continue;  // not representable in fp32
-      const uint16_t even = (code & 1) ? static_cast<uint16_t>(code + 1) : static_cast<uint16_t>(code);
+      const uint16_t even =
+          (code & 1) ? static_cast<uint16_t>(code + 1) : static_cast<uint16_t>(code);
       ASSERT_EQ(f->encode(mid), even) << "between codes " << code << " and " << code + 1;
       ASSERT_EQ(f->encode(-mid), even | 0x8000) << code;
     }
@@ -108,14 +110,14 @@ TEST(Float16, EdgeCases_RoundAsIeee) {
   EXPECT_EQ(FloatToHalf(65520.0f), 0x7c00);  // the tie above the largest finite goes to inf
   EXPECT_EQ(FloatToHalf(1e30f), 0x7c00);
   EXPECT_EQ(FloatToHalf(-INFINITY), 0xfc00);
-  EXPECT_EQ(FloatToHalf(0x1p-24f), 0x0001);  // smallest subnormal
-  EXPECT_EQ(FloatToHalf(0x1p-25f), 0x0000);  // tie between 0 and it: even is 0
-  EXPECT_EQ(FloatToHalf(0x1.8p-24f), 0x0002);  // tie between 1 and 2: even is 2
+  EXPECT_EQ(FloatToHalf(0x1p-24f), 0x0001);      // smallest subnormal
+  EXPECT_EQ(FloatToHalf(0x1p-25f), 0x0000);      // tie between 0 and it: even is 0
+  EXPECT_EQ(FloatToHalf(0x1.8p-24f), 0x0002);    // tie between 1 and 2: even is 2
   EXPECT_EQ(FloatToHalf(0x1.ffcp-15f), 0x0400);  // rounds up into the smallest normal
   EXPECT_EQ(FloatToHalf(-0.0f), 0x8000);
-  EXPECT_EQ(FloatToBf16(1.0f + 0x1p-8f), 0x3f80);   // tie, 1.0 is even
-  EXPECT_EQ(FloatToBf16(1.0f + 0x1.8p-7f), 0x3f82); // tie, rounds up to even
-  EXPECT_EQ(FloatToBf16(3.4028235e38f), 0x7f80);    // FLT_MAX rounds to inf
+  EXPECT_EQ(FloatToBf16(1.0f + 0x1p-8f), 0x3f80);                     // tie, 1.0 is even
+  EXPECT_EQ(FloatToBf16(1.0f + 0x1.8p-7f), 0x3f82);                   // tie, rounds up to even
+  EXPECT_EQ(FloatToBf16(3.4028235e38f), 0x7f80);                      // FLT_MAX rounds to inf
   EXPECT_EQ(FloatToBf16(std::bit_cast<float>(0x00000001u)), 0x0000);  // tiny subnormal
   EXPECT_EQ(FloatToBf16(-INFINITY), 0xff80);
 }

@@ -1,6 +1,9 @@
 // Every element-wise kernel against a scalar reference, for each dtype, at sizes below and
 // above the multi-threading threshold and with a ragged tail.
+#include "mem/kernels.h"
+
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -9,10 +12,7 @@
 #include <random>
 #include <vector>
 
-#include <omp.h>
-
 #include "mem/float16.h"
-#include "mem/kernels.h"
 #include "mem/parallel.h"
 
 namespace cai {

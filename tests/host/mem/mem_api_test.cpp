@@ -1,4 +1,6 @@
 // The memory service through its ABI table, as a plugin sees it.
+#include "mem/mem_api.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -10,7 +12,6 @@
 #include "cai/mempool.h"
 #include "core/status.h"
 #include "mem/float16.h"
-#include "mem/mem_api.h"
 
 namespace cai {
 namespace {

@@ -1,8 +1,9 @@
 // MemoryPool: budgets, accounting, reuse, the NVMe tier, concurrency. Each test uses its own
 // pool so that tests do not see each other's usage.
-#include <gtest/gtest.h>
+#include "mem/pool.h"
 
 #include <dirent.h>
+#include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -14,13 +15,12 @@
 #include <vector>
 
 #include "core/status.h"
-#include "mem/pool.h"
 
 namespace cai {
 namespace {
 
 constexpr cai_mem_tier kAllTiers[] = {CAI_MEM_DEVICE, CAI_MEM_PINNED_HOST, CAI_MEM_HOST,
-                                       CAI_MEM_NVME};
+                                      CAI_MEM_NVME};
 
 // A fresh directory under $TMPDIR (or /tmp), removed at the end of the test.
 class TempDir {
@@ -59,7 +59,7 @@ TEST(MemPool, OverBudget_FailsNamingTierRequestBudgetAndUse) {
     EXPECT_EQ(e.code(), CAI_RESOURCE_EXHAUSTED);
     const std::string msg = e.what();
     EXPECT_NE(msg.find("DEVICE"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("524288 bytes"), std::string::npos) << msg;  // the request
+    EXPECT_NE(msg.find("524288 bytes"), std::string::npos) << msg;   // the request
     EXPECT_NE(msg.find("1048576 bytes"), std::string::npos) << msg;  // the budget
     EXPECT_NE(msg.find("786432 bytes"), std::string::npos) << msg;   // in use
     EXPECT_NE(msg.find("ddp.bucket"), std::string::npos) << msg;
@@ -94,7 +94,8 @@ TEST(MemPool, AllocateAndFreeOnEveryTier_UsageReturnsToZero) {
   pool.SetNvmeDirectory(dir.path());
   for (cai_mem_tier tier : kAllTiers) {
     std::vector<cai_buffer*> buffers;
-    for (size_t bytes : {1ul, 100ul, 4096ul, 1000000ul}) buffers.push_back(pool.Allocate(tier, bytes));
+    for (size_t bytes : {1ul, 100ul, 4096ul, 1000000ul})
+      buffers.push_back(pool.Allocate(tier, bytes));
     TierUsage u = pool.Usage(tier);
     EXPECT_EQ(u.current_bytes, 1u + 100 + 4096 + 1000000) << TierName(tier);
     EXPECT_EQ(u.peak_bytes, u.current_bytes);

@@ -1,8 +1,9 @@
 // LossScaler: GradScaler growth and backoff, hysteresis, clamps, state round trip.
+#include "optim/loss_scaler.h"
+
 #include <gtest/gtest.h>
 
 #include "core/status.h"
-#include "optim/loss_scaler.h"
 
 namespace cai {
 namespace {
@@ -52,9 +53,9 @@ TEST(LossScaler, Hysteresis_BacksOffOnlyAfterConsecutiveOverflows) {
   EXPECT_TRUE(s.Update(true));
   EXPECT_EQ(s.scale(), 1024);  // two overflows tolerated
   EXPECT_TRUE(s.Update(true));
-  EXPECT_EQ(s.scale(), 512);   // the third backs off
+  EXPECT_EQ(s.scale(), 512);  // the third backs off
   EXPECT_TRUE(s.Update(true));
-  EXPECT_EQ(s.scale(), 256);   // and so does every further consecutive one
+  EXPECT_EQ(s.scale(), 256);  // and so does every further consecutive one
   EXPECT_FALSE(s.Update(false));
   EXPECT_EQ(s.state().overflows_left, 2);  // a clean step restores the tolerance
   EXPECT_TRUE(s.Update(true));

@@ -1,4 +1,6 @@
 // The optimizer service through its ABI table, as a plugin sees it.
+#include "optim/optim_api.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,7 +12,6 @@
 #include "cai/optimizer.h"
 #include "core/status.h"
 #include "mem/float16.h"
-#include "optim/optim_api.h"
 #include "optim/optimizer.h"
 
 namespace cai {

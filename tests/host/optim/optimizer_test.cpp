@@ -1,5 +1,7 @@
 // Optimizer: schedule, clipping, group split, validation, and the fused update's precision
 // variants (bf16/fp16 gradients, low-precision copy-out, grad_scale, threading).
+#include "optim/optimizer.h"
+
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -12,7 +14,6 @@
 #include "core/status.h"
 #include "mem/float16.h"
 #include "mem/parallel.h"
-#include "optim/optimizer.h"
 
 namespace cai {
 namespace {

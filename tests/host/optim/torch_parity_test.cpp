@@ -80,9 +80,10 @@ TEST(OptimTorchParity, AdamW_MatchesTorchOverSixSteps) {
   h.beta1 = 0.8;
   h.beta2 = 0.99;
   h.eps = 1e-6;
-  torch::optim::AdamW theirs(
-      {param}, torch::optim::AdamWOptions(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(
-                   h.weight_decay));
+  torch::optim::AdamW theirs({param}, torch::optim::AdamWOptions(h.lr)
+                                          .betas({h.beta1, h.beta2})
+                                          .eps(h.eps)
+                                          .weight_decay(h.weight_decay));
   RunParity(Optimizer(CAI_OPTIM_ADAMW, {h}), theirs, param, [&] {
     auto& s = static_cast<torch::optim::AdamWParamState&>(
         *theirs.state().at(c10::guts::to_string(param.unsafeGetTensorImpl())));
@@ -95,9 +96,10 @@ TEST(OptimTorchParity, AdamWithL2Decay_MatchesTorchOverSixSteps) {
   GroupHyper h;
   h.lr = 3e-3;
   h.weight_decay = 0.1;
-  torch::optim::Adam theirs(
-      {param}, torch::optim::AdamOptions(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(
-                   h.weight_decay));
+  torch::optim::Adam theirs({param}, torch::optim::AdamOptions(h.lr)
+                                         .betas({h.beta1, h.beta2})
+                                         .eps(h.eps)
+                                         .weight_decay(h.weight_decay));
   RunParity(Optimizer(CAI_OPTIM_ADAM, {h}), theirs, param, [&] {
     auto& s = static_cast<torch::optim::AdamParamState&>(
         *theirs.state().at(c10::guts::to_string(param.unsafeGetTensorImpl())));
@@ -122,7 +124,8 @@ TEST(OptimTorchParity, SgdMomentumDampeningWeightDecay_MatchesTorchOverSixSteps)
                                         .momentum(h.momentum)
                                         .dampening(h.dampening)
                                         .weight_decay(h.weight_decay));
-  RunParity(Optimizer(CAI_OPTIM_SGD, {h}), theirs, param, [&] { return MomentumBuffer(theirs, param); });
+  RunParity(Optimizer(CAI_OPTIM_SGD, {h}), theirs, param,
+            [&] { return MomentumBuffer(theirs, param); });
 }
 
 TEST(OptimTorchParity, SgdNesterov_MatchesTorchOverSixSteps) {
@@ -136,7 +139,8 @@ TEST(OptimTorchParity, SgdNesterov_MatchesTorchOverSixSteps) {
                                         .momentum(h.momentum)
                                         .nesterov(true)
                                         .weight_decay(h.weight_decay));
-  RunParity(Optimizer(CAI_OPTIM_SGD, {h}), theirs, param, [&] { return MomentumBuffer(theirs, param); });
+  RunParity(Optimizer(CAI_OPTIM_SGD, {h}), theirs, param,
+            [&] { return MomentumBuffer(theirs, param); });
 }
 
 TEST(OptimTorchParity, PlainSgd_MatchesTorchOverSixSteps) {
@@ -144,7 +148,8 @@ TEST(OptimTorchParity, PlainSgd_MatchesTorchOverSixSteps) {
   GroupHyper h;
   h.lr = 0.1;
   torch::optim::SGD theirs({param}, torch::optim::SGDOptions(h.lr));
-  RunParity(Optimizer(CAI_OPTIM_SGD, {h}), theirs, param, [] { return std::vector<torch::Tensor>{}; });
+  RunParity(Optimizer(CAI_OPTIM_SGD, {h}), theirs, param,
+            [] { return std::vector<torch::Tensor>{}; });
 }
 
 }  // namespace

@@ -1,12 +1,13 @@
 // `cai plan`: parameter counts from the config alone agree with the built model, and the
 // strategy `auto` reports is the one `cai train` then uses.
+#include "train/plan.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <regex>
 
 #include "model/model.h"
-#include "train/plan.h"
 #include "util/subprocess.h"
 
 namespace {
@@ -39,16 +40,17 @@ TEST(Plan, ZooModelSize_EqualsTheBuiltModelsParameterCount) {
 }
 
 TEST(Plan, Gpt2_124M_HasTheKnownParameterCount) {
-  cai::ModelConfig c;  // defaults are GPT-2 small
+  cai::ModelConfig c;                                 // defaults are GPT-2 small
   EXPECT_EQ(cai::ZooModelSize(c).params, 124439808);  // GPT-2 124M with tied embeddings
 }
 
 TEST(Plan, Cli_PrintsEveryStrategyAndAutosChoiceUsedByTrain) {
-  auto plan = RunCommand(std::string("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent ") +
-                  CAI_EXE + " plan " + TINY_JOB + " --nproc 2");
+  auto plan =
+      RunCommand(std::string("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent ") +
+                 CAI_EXE + " plan " + TINY_JOB + " --nproc 2");
   ASSERT_EQ(plan.code, 0) << plan.output;
-  for (const char* s : {"ddp", "low_level_zero stage 1", "low_level_zero stage 2", "fsdp",
-                        "gemini", "hybrid_parallel", "auto picks: "}) {
+  for (const char* s : {"ddp", "low_level_zero stage 1", "low_level_zero stage 2", "fsdp", "gemini",
+                        "hybrid_parallel", "auto picks: "}) {
     CAI_EXPECT_CONTAINS(plan.output, s);
   }
   std::smatch m;
@@ -57,9 +59,10 @@ TEST(Plan, Cli_PrintsEveryStrategyAndAutosChoiceUsedByTrain) {
 
   char pattern[] = "/tmp/cai-plan-XXXXXX";
   std::filesystem::path dir = mkdtemp(pattern);
-  auto train = RunCommand(std::string("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent ") +
-                   CAI_EXE + " train " + TINY_JOB + " --nproc 2 --run-dir " + dir.string() +
-                   " --set plugin.name=auto --set train.steps=2");
+  auto train =
+      RunCommand(std::string("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent ") +
+                 CAI_EXE + " train " + TINY_JOB + " --nproc 2 --run-dir " + dir.string() +
+                 " --set plugin.name=auto --set train.steps=2");
   ASSERT_EQ(train.code, 0) << train.output;
   CAI_EXPECT_CONTAINS(train.output, "plugin.name = \"auto\" chose '" + choice + "'");
   CAI_EXPECT_CONTAINS(cai::testing::ReadFile((dir / "summary.json").string()),

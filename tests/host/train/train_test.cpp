@@ -42,8 +42,10 @@ class TempDir {
 
 // `cai train` on the tiny job, with the plugin search restricted to the build tree.
 Result Train(const std::string& args, const std::string& env = "") {
-  return RunCommand("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES -u RANK -u WORLD_SIZE -u SLURM_PROCID "
-             "-u OMPI_COMM_WORLD_RANK HOME=/nonexistent " + env + " " + CAI_EXE + " train " + args);
+  return RunCommand(
+      "env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES -u RANK -u WORLD_SIZE -u SLURM_PROCID "
+      "-u OMPI_COMM_WORLD_RANK HOME=/nonexistent " +
+      env + " " + CAI_EXE + " train " + args);
 }
 
 // The loss of each step in a run directory's metrics.jsonl, as written (full precision).
@@ -74,7 +76,8 @@ void ExpectClose(const std::vector<double>& a, const std::vector<double>& b, dou
 
 TEST(Train, Reference_LossFallsAndRunDirIsComplete) {
   TempDir dir;
-  Result r = Train(std::string(TINY_JOB) + " --run-dir " + dir.str() + " --set train.steps=30 "
+  Result r = Train(std::string(TINY_JOB) + " --run-dir " + dir.str() +
+                   " --set train.steps=30 "
                    "--set optimizer.decay_steps=30 --set checkpoint.at_end=true");
   ASSERT_EQ(r.code, 0) << r.output;
   std::vector<double> losses = Losses(dir / "");
@@ -101,9 +104,13 @@ TEST(Train, DefaultJob_LearnsBelowStatedLoss) {
   ASSERT_EQ(r.code, 0) << r.output;
   std::vector<double> losses = Losses(dir / "");
   ASSERT_FALSE(losses.empty());
-  // Byte unigram entropy of the corpus is about 2.9 nats: below 2.2 the model has learned
-  // words, not just letter frequencies.
-  EXPECT_LT(losses.back(), 2.2);
+  // Byte unigram entropy of the corpus is about 2.9 nats: well below it the model has learned
+  // words, not just letter frequencies (examples/default.toml states this bound).
+  EXPECT_LT(losses.back(), 1.8);
+  std::smatch m;
+  const std::string summary = ReadFile((dir / "summary.json").string());
+  ASSERT_TRUE(std::regex_search(summary, m, std::regex("\"final_eval_loss\": ([0-9.]+)")));
+  EXPECT_LT(std::stod(m[1]), 1.8);
 }
 
 TEST(Train, Resume_ContinuesBitForBit) {
@@ -122,7 +129,8 @@ TEST(Train, Resume_ContinuesBitForBit) {
 TEST(Train, GradientAccumulation_MatchesOneBatch) {
   TempDir one, four;
   ASSERT_EQ(Train(std::string(TINY_JOB) + " --run-dir " + one.str()).code, 0);
-  Result r = Train(std::string(TINY_JOB) + " --run-dir " + four.str() + " --set train.grad_accum=4");
+  Result r =
+      Train(std::string(TINY_JOB) + " --run-dir " + four.str() + " --set train.grad_accum=4");
   ASSERT_EQ(r.code, 0) << r.output;
   ExpectClose(Losses(four / ""), Losses(one / ""), 1e-5);
 }
@@ -166,8 +174,9 @@ int FreePortForTest() {
 
 TEST(Train, JoinsThroughTorchrunSlurmAndOpenMpiVariables) {
   TempDir reference;
-  ASSERT_EQ(Train(std::string(TINY_JOB) + " --run-dir " + reference.str() +
-                  " --set train.steps=3").code, 0);
+  ASSERT_EQ(
+      Train(std::string(TINY_JOB) + " --run-dir " + reference.str() + " --set train.steps=3").code,
+      0);
   const std::vector<std::pair<std::string, std::function<std::string(int, int)>>> styles = {
       {"torchrun",
        [](int r, int port) {
@@ -176,27 +185,29 @@ TEST(Train, JoinsThroughTorchrunSlurmAndOpenMpiVariables) {
        }},
       {"slurm",
        [](int r, int port) {
-         return "SLURM_PROCID=" + std::to_string(r) + " SLURM_NTASKS=2 SLURM_LOCALID=" +
-                std::to_string(r) + " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port);
+         return "SLURM_PROCID=" + std::to_string(r) +
+                " SLURM_NTASKS=2 SLURM_LOCALID=" + std::to_string(r) +
+                " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port);
        }},
       {"openmpi",
        [](int r, int port) {
-         return "OMPI_COMM_WORLD_RANK=" + std::to_string(r) + " OMPI_COMM_WORLD_SIZE=2 "
-                "OMPI_COMM_WORLD_LOCAL_RANK=" + std::to_string(r) +
-                " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port);
+         return "OMPI_COMM_WORLD_RANK=" + std::to_string(r) +
+                " OMPI_COMM_WORLD_SIZE=2 "
+                "OMPI_COMM_WORLD_LOCAL_RANK=" +
+                std::to_string(r) + " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port);
        }},
   };
   for (const auto& [name, env] : styles) {
     TempDir dir;
     const int port = FreePortForTest();
-    auto results = JoinAs(2, [&](int r) { return env(r, port); },
-                          std::string(TINY_JOB) + " --run-dir " + dir.str() +
-                              " --set plugin.name=hello_strategy --set train.steps=3");
+    auto results = JoinAs(
+        2, [&](int r) { return env(r, port); },
+        std::string(TINY_JOB) + " --run-dir " + dir.str() +
+            " --set plugin.name=hello_strategy --set train.steps=3");
     for (int r = 0; r < 2; ++r) {
       ASSERT_EQ(results[r].code, 0) << name << " rank " << r << ":\n" << results[r].output;
     }
-    CAI_EXPECT_CONTAINS(ReadFile((dir / "logs/rank-1.log").string()),
-                        "rank 1 of 2 (pid");
+    CAI_EXPECT_CONTAINS(ReadFile((dir / "logs/rank-1.log").string()), "rank 1 of 2 (pid");
     CAI_EXPECT_CONTAINS(ReadFile((dir / "logs/rank-1.log").string()), "joined through " + name);
     ExpectClose(Losses(dir / ""), Losses(reference / ""), 1e-5);
   }
@@ -208,16 +219,19 @@ TEST(Train, KilledRank_LauncherStopsOthersAndExitsNonZero) {
   TempDir dir;
   const fs::path out = dir / "launcher.out";
   // A long run, started in the background; its launcher's pid and exit status go to files.
-  const std::string command =
-      "(env -u RANK -u WORLD_SIZE HOME=/nonexistent " + std::string(CAI_EXE) + " train " +
-      TINY_JOB + " --nproc 2 --run-dir " + dir.str() + " --set plugin.name=hello_strategy "
-      "--set train.steps=100000 > " + out.string() + " 2>&1; echo $? > " +
-      (dir / "exit").string() + ") & echo $! > " + (dir / "launcher.pid").string();
+  const std::string command = "(env -u RANK -u WORLD_SIZE HOME=/nonexistent " +
+                              std::string(CAI_EXE) + " train " + TINY_JOB +
+                              " --nproc 2 --run-dir " + dir.str() +
+                              " --set plugin.name=hello_strategy "
+                              "--set train.steps=100000 > " +
+                              out.string() + " 2>&1; echo $? > " + (dir / "exit").string() +
+                              ") & echo $! > " + (dir / "launcher.pid").string();
   ASSERT_EQ(std::system(command.c_str()), 0);
   // Wait until both ranks have logged their pids and training runs.
   std::regex pid_line("rank ([01]) of 2 \\(pid ([0-9]+)");
   std::vector<pid_t> pids(2, 0);
-  for (int i = 0; i < 600 && (pids[0] == 0 || pids[1] == 0 || !fs::exists(dir / "metrics.jsonl")); ++i) {
+  for (int i = 0; i < 600 && (pids[0] == 0 || pids[1] == 0 || !fs::exists(dir / "metrics.jsonl"));
+       ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     for (int r = 0; r < 2; ++r) {
       std::smatch m;
@@ -248,8 +262,8 @@ TEST(Train, KilledRank_LauncherStopsOthersAndExitsNonZero) {
 
 struct BadCase {
   std::string name;
-  std::string job_text;     // written to job.toml ("" = use the tiny job)
-  std::string args;         // extra arguments
+  std::string job_text;               // written to job.toml ("" = use the tiny job)
+  std::string args;                   // extra arguments
   std::vector<std::string> expected;  // fragments of the message
 };
 
@@ -269,26 +283,37 @@ void ExpectRefused(const BadCase& c) {
 }
 
 TEST(TrainBadInput, MalformedJobFile) {
-  ExpectRefused({"malformed", "[train\nsteps = 3\n", "", {"$DIR/job.toml: malformed TOML at line 1"}});
+  ExpectRefused(
+      {"malformed", "[train\nsteps = 3\n", "", {"$DIR/job.toml: malformed TOML at line 1"}});
 }
 
 TEST(TrainBadInput, UnknownKey_NamesNearestValidKey) {
-  ExpectRefused({"unknown key", "[train]\nstepz = 3\n", "",
-                 {"[train] in $DIR/job.toml: unknown key 'stepz' (line 2).",
-                  "did you mean 'steps'?"}});
-  ExpectRefused({"unknown section", "[trian]\nsteps = 3\n", "",
+  ExpectRefused(
+      {"unknown key",
+       "[train]\nstepz = 3\n",
+       "",
+       {"[train] in $DIR/job.toml: unknown key 'stepz' (line 2).", "did you mean 'steps'?"}});
+  ExpectRefused({"unknown section",
+                 "[trian]\nsteps = 3\n",
+                 "",
                  {"unknown section 'trian' (line 1). did you mean 'train'?"}});
-  ExpectRefused({"unknown --set", "", "--set train.global_bacth=4",
+  ExpectRefused({"unknown --set",
+                 "",
+                 "--set train.global_bacth=4",
                  {"unknown key 'global_bacth'", "did you mean 'global_batch'?"}});
 }
 
 TEST(TrainBadInput, WrongType_NamesKey) {
-  ExpectRefused({"wrong type", "[train]\nsteps = \"many\"\n", "",
+  ExpectRefused({"wrong type",
+                 "[train]\nsteps = \"many\"\n",
+                 "",
                  {"key 'steps' (line 2): expected an integer, got string \"many\""}});
 }
 
 TEST(TrainBadInput, MissingDataFile) {
-  ExpectRefused({"missing data", "", "--set data.source=tokens --set data.path=/nonexistent.bin",
+  ExpectRefused({"missing data",
+                 "",
+                 "--set data.source=tokens --set data.path=/nonexistent.bin",
                  {"/nonexistent.bin"}});
 }
 
@@ -318,9 +343,13 @@ TEST(TrainBadInput, TokenFileWithOddLengthOrIdsBeyondVocab) {
 
 TEST(TrainBadInput, NprocZeroAndUnknownPlugin) {
   ExpectRefused({"nproc 0", "", "--nproc 0", {"--nproc"}});
-  ExpectRefused({"unknown plugin", "", "--set plugin.name=hello_strategie",
+  ExpectRefused({"unknown plugin",
+                 "",
+                 "--set plugin.name=hello_strategie",
                  {"no such strategy. did you mean 'hello_strategy'?"}});
-  ExpectRefused({"reference on two ranks", "", "--nproc 2",
+  ExpectRefused({"reference on two ranks",
+                 "",
+                 "--nproc 2",
                  {"plugin 'none' is the single-process reference"}});
 }
 

@@ -13,9 +13,9 @@
 namespace cai::conformance {
 
 struct CheckResult {
-  std::string name;     // "manifest", "exports only the entry symbol", ...
+  std::string name;  // "manifest", "exports only the entry symbol", ...
   bool passed = false;
-  std::string detail;   // why it failed, or what was found
+  std::string detail;  // why it failed, or what was found
 };
 
 // Runs every check on the plugin described by `path`: a manifest (.toml), or a .so with its

@@ -1,0 +1,461 @@
+// libcai_ddp end to end: `cai train` runs on 1, 2 and 3 real ranks (subprocesses over Gloo),
+// each compared with the single-process reference (`plugin.name=none`) on the same job — same
+// global batch, same initial weights — on every step's loss and on the final checkpoint's
+// "model/*" tensors.
+//
+// Tolerance (fp32): 1e-5 relative. A loss is compared with its reference value; a weight
+// tensor by its relative L2 error ||w - w_ref|| / ||w_ref||. Not element by element: Adam
+// divides each gradient element by its own running RMS, so an element whose gradient is mostly
+// cancellation (a sum of terms that nearly cancel) turns a last-bit difference in that sum —
+// ranks add their partial gradients in another order than one process does — into a visibly
+// different update. Measured on this job: with SGD the largest element difference is 1.6e-7 of
+// the tensor's largest magnitude; with AdamW single elements reach ~2e-5 of it while every
+// tensor's L2 error stays below 4e-6. Under bf16/fp16 the bound is looser, stated at the test.
+#include <gtest/gtest.h>
+#include <torch/script.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/rank_file.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct RunResult {
+  int exit_code = -1;
+  std::string output;          // stdout + stderr of `cai train`
+  std::vector<double> losses;  // metrics.jsonl, one per step
+  std::vector<double> grad_norms;
+  std::vector<bool> skipped;  // fp16 steps skipped for inf/nan gradients
+  fs::path checkpoint;        // the last checkpoint directory
+  std::string summary;        // summary.json
+};
+
+std::string ReadFile(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Where the value of "key" starts in a JSON object (metrics.jsonl, summary.json), or npos.
+size_t JsonValue(const std::string& json, const std::string& key, size_t from = 0) {
+  size_t at = json.find("\"" + key + "\":", from);
+  if (at == std::string::npos) return at;
+  at += key.size() + 3;
+  while (at < json.size() && json[at] == ' ') ++at;
+  return at;
+}
+
+// The number at "key" (NaN when absent or null, as the host writes a non-finite norm).
+double JsonNumber(const std::string& json, const std::string& key, size_t from = 0) {
+  const size_t at = JsonValue(json, key, from);
+  return at == std::string::npos ? NAN : std::strtod(json.c_str() + at, nullptr);
+}
+
+// A tiny GPT-2 job: two parameter groups with different LR and weight decay, clipping at a
+// norm every step exceeds, warmup into cosine decay, 6 steps of a global batch of 6.
+const char* const kBaseJob = R"(
+[model]
+kind = "gpt2"
+n_layer = 2
+n_head = 2
+n_embd = 32
+n_ctx = 32
+
+[optimizer]
+kind = "adamw"
+lr = 0.003
+weight_decay = 0.1
+no_decay_lr = 0.001
+no_decay_weight_decay = 0.01
+max_grad_norm = 0.05
+warmup_steps = 2
+
+[train]
+steps = 6
+global_batch = 6
+seq_len = 16
+seed = 7
+eval_every = 0
+eval_batches = 1
+threads = 1
+
+[checkpoint]
+at_end = true
+)";
+
+// Runs `cai train` with the base job and `sets`; `name` names the run directory.
+RunResult Train(const std::string& name, int nproc, const std::vector<std::string>& sets) {
+  const fs::path dir = fs::path(CAI_DDP_TEST_RUNS) / name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::ofstream(dir / "job.toml") << kBaseJob;
+  std::string command = "CAI_PLUGIN_FILES='" CAI_DDP_MANIFEST "' '" CAI_EXE "' train '" +
+                        (dir / "job.toml").string() + "' --nproc " + std::to_string(nproc) +
+                        " --run-dir '" + (dir / "run").string() + "'";
+  for (const std::string& s : sets) command += " --set '" + s + "'";
+  command += " > '" + (dir / "output.txt").string() + "' 2>&1";
+  RunResult r;
+  const int status = std::system(command.c_str());
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.output = ReadFile(dir / "output.txt");
+  std::ifstream metrics(dir / "run" / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    r.losses.push_back(JsonNumber(line, "loss"));
+    r.grad_norms.push_back(JsonNumber(line, "grad_norm"));
+    const size_t skipped = JsonValue(line, "skipped");
+    r.skipped.push_back(skipped != std::string::npos && line.compare(skipped, 4, "true") == 0);
+  }
+  r.summary = ReadFile(dir / "run" / "summary.json");
+  if (auto latest = cai::ckpt::FindLatestCheckpoint(dir / "run" / "checkpoints")) {
+    r.checkpoint = *latest;
+  }
+  return r;
+}
+
+std::vector<float> ReadTensor(cai::ckpt::CheckpointReader& reader, const std::string& name) {
+  const cai_checkpoint_api& api = *cai::CheckpointApi();
+  cai_ckpt_tensor_info info{};
+  info.struct_size = CAI_CKPT_TENSOR_INFO_STRUCT_SIZE;
+  cai_status* status = api.tensor_info(reader.handle(), name.c_str(), &info);
+  if (status) {
+    ADD_FAILURE() << "checkpoint has no tensor " << name;
+    return {};
+  }
+  int64_t numel = 1;
+  for (int32_t d = 0; d < info.ndim; ++d) numel *= info.shape[d];
+  std::vector<float> values(static_cast<size_t>(numel));
+  int64_t stride = 1;
+  cai_tensor dst{
+      values.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_FLOAT, 32, 1}, &numel, &stride, 0};
+  EXPECT_EQ(api.read_tensor(reader.handle(), name.c_str(), 0, 0, &dst), nullptr) << name;
+  return values;
+}
+
+// The "model/*" tensors the reference wrote (it runs on one rank: all in rank 0's file).
+std::vector<std::string> ModelTensorNames(const fs::path& checkpoint) {
+  std::vector<std::string> names;
+  cai::ckpt::RankFileReader file(checkpoint / cai::ckpt::RankFileName(0));
+  for (const cai::ckpt::Entry& e : file.entries()) {
+    if (e.kind == cai::ckpt::EntryKind::kTensor && e.name.rfind("model/", 0) == 0) {
+      names.push_back(e.name);
+    }
+  }
+  return names;
+}
+
+std::map<std::string, std::vector<float>> ModelTensors(const fs::path& checkpoint,
+                                                       const std::vector<std::string>& names) {
+  cai::ckpt::CheckpointReader reader(checkpoint);
+  std::map<std::string, std::vector<float>> tensors;
+  for (const std::string& name : names) tensors[name] = ReadTensor(reader, name);
+  return tensors;
+}
+
+// Asserts that `run` succeeded and agrees with `ref` within `rtol` (see the file comment).
+void ExpectMatches(const RunResult& ref, const RunResult& run, double rtol) {
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  ASSERT_FALSE(ref.losses.empty());
+  ASSERT_EQ(run.losses.size(), ref.losses.size());
+  for (size_t s = 0; s < ref.losses.size(); ++s) {
+    EXPECT_NEAR(run.losses[s], ref.losses[s], rtol * std::abs(ref.losses[s]))
+        << "loss of step " << s + 1;
+  }
+  ASSERT_FALSE(ref.checkpoint.empty()) << ref.output;
+  ASSERT_FALSE(run.checkpoint.empty()) << run.output;
+  const std::vector<std::string> names = ModelTensorNames(ref.checkpoint);
+  ASSERT_FALSE(names.empty());
+  const auto expected = ModelTensors(ref.checkpoint, names);
+  const auto actual = ModelTensors(run.checkpoint, names);
+  for (const std::string& name : names) {
+    const std::vector<float>& a = actual.at(name);
+    const std::vector<float>& b = expected.at(name);
+    ASSERT_EQ(a.size(), b.size()) << name;
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < b.size(); ++i) {
+      const double d = static_cast<double>(a[i]) - b[i];
+      diff += d * d;
+      norm += static_cast<double>(b[i]) * b[i];
+    }
+    EXPECT_LE(std::sqrt(diff), rtol * std::sqrt(norm))
+        << name << ": relative L2 error " << std::sqrt(diff / norm);
+  }
+}
+
+// Bytes handed to all-reduce in the last step, per rank, from summary.json.
+std::vector<double> AllReduceBytesPerStep(const RunResult& r) {
+  std::vector<double> bytes;
+  for (size_t at = r.summary.find("\"comm_bytes_per_step\":"); at != std::string::npos;
+       at = r.summary.find("\"comm_bytes_per_step\":", at + 1)) {
+    bytes.push_back(JsonNumber(r.summary, "all_reduce", at));
+  }
+  return bytes;
+}
+
+// Trainable fp32 elements of the reference's checkpoint: Ψ.
+double GradientBytes(const RunResult& ref) {
+  double bytes = 0;
+  cai::ckpt::RankFileReader file(ref.checkpoint / cai::ckpt::RankFileName(0));
+  for (const cai::ckpt::Entry& e : file.entries()) {
+    if (e.kind == cai::ckpt::EntryKind::kTensor && e.name.rfind("model/", 0) == 0) {
+      bytes += static_cast<double>(e.bytes);
+    }
+  }
+  return bytes;
+}
+
+RunResult Reference(const std::string& name, std::vector<std::string> sets) {
+  sets.push_back("plugin.name=none");
+  return Train(name + "_ref", 1, sets);
+}
+
+RunResult Ddp(const std::string& name, int nproc, std::vector<std::string> sets) {
+  sets.push_back("plugin.name=ddp");
+  return Train(name + "_ddp" + std::to_string(nproc), nproc, sets);
+}
+
+constexpr double kFp32Tolerance = 1e-5;
+
+TEST(DdpParity, Ddp_OneRank_GptMatchesReference) {
+  const RunResult ref = Reference("gpt1", {});
+  ExpectMatches(ref, Ddp("gpt1", 1, {}), kFp32Tolerance);
+}
+
+// GPT-2 ties lm_head to wte: one tensor that receives gradient from both uses.
+TEST(DdpParity, Ddp_TwoRanks_GptTiedEmbeddingMatchesReference) {
+  const RunResult ref = Reference("gpt2", {});
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const std::vector<std::string> names = ModelTensorNames(ref.checkpoint);
+  EXPECT_NE(std::find(names.begin(), names.end(), "model/wte.weight"), names.end());
+  for (const std::string& n : names) EXPECT_EQ(n.find("lm_head"), std::string::npos) << n;
+  const RunResult ddp = Ddp("gpt2", 2, {});
+  ExpectMatches(ref, ddp, kFp32Tolerance);
+  // Clipping is active: every step's norm exceeds optimizer.max_grad_norm.
+  for (double norm : ddp.grad_norms) EXPECT_GT(norm, 0.05);
+}
+
+// 6 sequences over 3 ranks are 2 each; 4 over 3 are 2+1+1: the loss weights, not an
+// average over ranks, keep the sum exact.
+TEST(DdpParity, Ddp_ThreeRanks_GptMatchesReference) {
+  const RunResult ref = Reference("gpt3", {});
+  ExpectMatches(ref, Ddp("gpt3", 3, {}), kFp32Tolerance);
+}
+
+TEST(DdpParity, Ddp_ThreeRanks_UnevenBatchMatchesReference) {
+  const std::vector<std::string> sets = {"train.global_batch=4"};
+  ExpectMatches(Reference("uneven", sets), Ddp("uneven", 3, sets), kFp32Tolerance);
+}
+
+TEST(DdpParity, Ddp_TwoRanks_LlamaMatchesReference) {
+  const std::vector<std::string> sets = {"model.kind=llama", "model.n_kv_head=1"};
+  ExpectMatches(Reference("llama2", sets), Ddp("llama2", 2, sets), kFp32Tolerance);
+}
+
+TEST(DdpParity, Ddp_ThreeRanks_LlamaMatchesReference) {
+  const std::vector<std::string> sets = {"model.kind=llama"};
+  ExpectMatches(Reference("llama3", sets), Ddp("llama3", 3, sets), kFp32Tolerance);
+}
+
+// A TorchScript language model over the byte vocabulary: embedding, a registered buffer
+// (broadcast before every forward), a child module's projection; optionally a frozen matrix
+// (saved with requires_grad false) in the forward and a trainable vector it never uses.
+fs::path SaveScriptModel(const std::string& file, bool frozen_and_unused) {
+  const fs::path path = fs::path(CAI_DDP_TEST_RUNS) / file;
+  fs::create_directories(path.parent_path());
+  torch::manual_seed(0);
+  torch::jit::Module head("Head");
+  head.register_parameter("weight", (torch::randn({32, 256}) * 0.1).requires_grad_(true), false);
+  head.register_parameter("bias", torch::zeros({256}).requires_grad_(true), false);
+  torch::jit::Module lm("TinyLM");
+  lm.register_parameter("emb", (torch::randn({256, 32}) * 0.1).requires_grad_(true), false);
+  lm.register_buffer("scale", torch::full({1}, 2.0));
+  lm.register_module("head", head);
+  if (frozen_and_unused) {
+    lm.register_parameter("frozen", torch::randn({32, 32}) * 0.1, false);
+    lm.register_parameter("unused", torch::randn({16}).requires_grad_(true), false);
+    lm.define(R"JIT(
+def forward(self, tokens):
+    h = torch.tanh(torch.embedding(self.emb, tokens) * self.scale)
+    h = h + torch.matmul(h, self.frozen)
+    return torch.matmul(h, self.head.weight) + self.head.bias
+)JIT");
+  } else {
+    lm.define(R"JIT(
+def forward(self, tokens):
+    h = torch.tanh(torch.embedding(self.emb, tokens) * self.scale)
+    return torch.matmul(h, self.head.weight) + self.head.bias
+)JIT");
+  }
+  lm.save(path.string());
+  return path;
+}
+
+TEST(DdpParity, Ddp_TwoRanks_TorchScriptMatchesReference) {
+  const std::vector<std::string> sets = {
+      "model.kind=torchscript", "model.path=" + SaveScriptModel("plain.pt", false).string()};
+  ExpectMatches(Reference("script", sets), Ddp("script", 2, sets), kFp32Tolerance);
+}
+
+// The frozen matrix is excluded from the buckets yet broadcast and saved; the unused vector
+// gets no gradient on any rank: its bucket slot counts zero and, as in the reference
+// (torch.optim skips a parameter without .grad), it is not updated — no weight decay either.
+TEST(DdpParity, Ddp_TwoRanks_FrozenAndUnusedParametersMatchReference) {
+  const std::vector<std::string> sets = {
+      "model.kind=torchscript", "model.path=" + SaveScriptModel("frozen.pt", true).string()};
+  std::vector<std::string> ddp_sets = sets;
+  ddp_sets.push_back("plugin.ddp.find_unused_parameters=true");
+  const RunResult ref = Reference("frozen", sets);
+  const RunResult ddp = Ddp("frozen", 2, ddp_sets);
+  ExpectMatches(ref, ddp, kFp32Tolerance);
+  torch::jit::Module saved = torch::jit::load((fs::path(CAI_DDP_TEST_RUNS) / "frozen.pt").string());
+  cai::ckpt::CheckpointReader reader(ddp.checkpoint);
+  for (const char* name : {"frozen", "unused"}) {
+    const torch::Tensor initial = saved.attr(name).toTensor().contiguous();
+    const std::vector<float> final = ReadTensor(reader, std::string("model/") + name);
+    ASSERT_EQ(final.size(), static_cast<size_t>(initial.numel())) << name;
+    EXPECT_TRUE(std::equal(final.begin(), final.end(), initial.data_ptr<float>()))
+        << name << " changed during training";
+  }
+}
+
+// With static_graph the unused parameter is learned in step 1 and marked ready at the start
+// of every later backward, so its bucket is not held back to the end.
+TEST(DdpParity, Ddp_ThreeRanks_UnusedParameterStaticGraphMatchesReference) {
+  const std::vector<std::string> sets = {
+      "model.kind=torchscript", "model.path=" + SaveScriptModel("static.pt", true).string()};
+  std::vector<std::string> ddp_sets = sets;
+  ddp_sets.push_back("plugin.ddp.find_unused_parameters=true");
+  ddp_sets.push_back("plugin.ddp.static_graph=true");
+  ExpectMatches(Reference("static", sets), Ddp("static", 3, ddp_sets), kFp32Tolerance);
+}
+
+// PyTorch DDP refuses a parameter without gradient unless find_unused_parameters is set; so
+// does ddp, naming the parameter and the key instead of hanging.
+TEST(DdpParity, Ddp_TwoRanks_UnusedParameterWithoutFindUnusedFailsClearly) {
+  const RunResult ddp =
+      Ddp("refused", 2,
+          {"model.kind=torchscript", "model.path=" + SaveScriptModel("refused.pt", true).string()});
+  EXPECT_NE(ddp.exit_code, 0);
+  EXPECT_NE(ddp.output.find("received no gradient in this step: 'unused'"), std::string::npos)
+      << ddp.output;
+  EXPECT_NE(ddp.output.find("find_unused_parameters = true"), std::string::npos) << ddp.output;
+}
+
+// 4 micro-batches per step, the first 3 under no_sync: one reduction per step, so a rank
+// hands exactly its gradient bytes to all-reduce per step, not four times as many.
+TEST(DdpParity, Ddp_TwoRanks_AccumulationNoSyncMatchesReference) {
+  const std::vector<std::string> sets = {"train.global_batch=16", "train.grad_accum=4"};
+  const RunResult ref = Reference("accum", sets);
+  const RunResult ddp = Ddp("accum", 2, sets);
+  ExpectMatches(ref, ddp, kFp32Tolerance);
+  const std::vector<double> bytes = AllReduceBytesPerStep(ddp);
+  ASSERT_EQ(bytes.size(), 2u) << ddp.summary;
+  for (double b : bytes) EXPECT_EQ(b, GradientBytes(ref));
+}
+
+// gradient_as_bucket_view, with buckets small enough that the model needs several.
+TEST(DdpParity, Ddp_ThreeRanks_BucketViewSmallBucketsMatchesReference) {
+  const RunResult ref = Reference("view", {});
+  const RunResult ddp =
+      Ddp("view", 3, {"plugin.ddp.gradient_as_bucket_view=true", "plugin.ddp.bucket_cap_mb=0.01"});
+  ExpectMatches(ref, ddp, kFp32Tolerance);
+}
+
+// Communication volume: each rank hands all-reduce exactly the model's gradient bytes per
+// step, 4Ψ at fp32 (PyTorch DDP's volume), and half of it under bf16.
+TEST(DdpParity, Ddp_TwoRanks_AllReduceBytesEqualGradientBytes) {
+  const RunResult ref = Reference("bytes", {});
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const RunResult fp32 = Ddp("bytes", 2, {});
+  ASSERT_EQ(fp32.exit_code, 0) << fp32.output;
+  ASSERT_EQ(AllReduceBytesPerStep(fp32).size(), 2u) << fp32.summary;
+  for (double b : AllReduceBytesPerStep(fp32)) EXPECT_EQ(b, GradientBytes(ref));
+  const RunResult bf16 = Ddp("bytes_bf16", 2, {"train.precision=bf16"});
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  ASSERT_EQ(AllReduceBytesPerStep(bf16).size(), 2u) << bf16.summary;
+  for (double b : AllReduceBytesPerStep(bf16)) EXPECT_EQ(b, GradientBytes(ref) / 2);
+}
+
+// Resuming from a step-3 checkpoint (model, optimizer state, step) continues exactly where
+// an uninterrupted run goes.
+TEST(DdpParity, Ddp_TwoRanks_ResumeFromCheckpointMatchesUninterruptedRun) {
+  // The cosine decay must end at step 6 in both runs, not at the first run's last step.
+  const RunResult whole = Ddp("resume_whole", 2, {"optimizer.decay_steps=6"});
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const fs::path dir = fs::path(CAI_DDP_TEST_RUNS) / "resume";
+  RunResult first = Ddp("resume", 2, {"train.steps=3", "optimizer.decay_steps=6"});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  // Same run directory, now to step 6 from the latest checkpoint.
+  const std::string command = "CAI_PLUGIN_FILES='" CAI_DDP_MANIFEST "' '" CAI_EXE "' train '" +
+                              (dir.string() + "_ddp2/job.toml") + "' --nproc 2 --run-dir '" +
+                              dir.string() +
+                              "_ddp2/run' --set plugin.name=ddp --set optimizer.decay_steps=6 "
+                              "--set checkpoint.resume=true > '" +
+                              dir.string() + "_ddp2/resumed.txt' 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << ReadFile(dir.string() + "_ddp2/resumed.txt");
+  const auto latest = cai::ckpt::FindLatestCheckpoint(dir.string() + "_ddp2/run/checkpoints");
+  ASSERT_TRUE(latest.has_value());
+  cai::ckpt::CheckpointReader reader(*latest);
+  EXPECT_EQ(reader.step(), 6);
+  const std::vector<std::string> names = ModelTensorNames(whole.checkpoint);
+  const auto expected = ModelTensors(whole.checkpoint, names);
+  const auto actual = ModelTensors(*latest, names);
+  for (const std::string& name : names) {
+    EXPECT_TRUE(actual.at(name) == expected.at(name)) << name << " differs after resuming";
+  }
+}
+
+// Mixed precision against the reference in the same precision. The reference reduces nothing;
+// ddp sums 16-bit buckets over ranks (in fp32, rounded to 16 bits once per ring step), so its
+// gradients differ from the reference's by 16-bit rounding, which the fp32 masters carry on.
+// Measured on these 6 and 8 steps: losses within 4e-5 relative (bf16: 8 significant bits)
+// and 2e-6 (fp16: 11 bits); the bounds below leave a 25x and 50x margin.
+TEST(DdpParity, Ddp_TwoRanks_Bf16MatchesReferenceWithinBf16Rounding) {
+  const std::vector<std::string> sets = {"train.precision=bf16"};
+  const RunResult ref = Reference("bf16", sets);
+  const RunResult ddp = Ddp("bf16", 2, sets);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
+  ASSERT_EQ(ddp.losses.size(), ref.losses.size());
+  for (size_t s = 0; s < ref.losses.size(); ++s) {
+    EXPECT_NEAR(ddp.losses[s], ref.losses[s], 1e-3 * ref.losses[s]) << "step " << s + 1;
+  }
+}
+
+// fp16 with dynamic loss scaling from a scale too large for the tiny model's gradients: the
+// first steps overflow, are skipped and back the scale off identically on both ranks and at
+// the same steps as the reference; then training proceeds.
+TEST(DdpParity, Ddp_TwoRanks_Fp16LossScalingMatchesReference) {
+  const std::vector<std::string> sets = {"train.precision=fp16", "train.steps=8"};
+  std::vector<std::string> ref_sets = sets, ddp_sets = sets;
+  for (const char* key : {"initial_scale=1048576", "hysteresis=1"}) {
+    ref_sets.push_back(std::string("plugin.none.") + key);
+    ddp_sets.push_back(std::string("plugin.ddp.") + key);
+  }
+  const RunResult ref = Reference("fp16", ref_sets);
+  const RunResult ddp = Ddp("fp16", 2, ddp_sets);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
+  ASSERT_EQ(ddp.losses.size(), ref.losses.size());
+  EXPECT_EQ(ddp.skipped, ref.skipped);
+  EXPECT_TRUE(ddp.skipped.front()) << "the first step should overflow at scale 2^20";
+  EXPECT_FALSE(ddp.skipped.back()) << "the scale should have backed off by the last step";
+  for (size_t s = 0; s < ref.losses.size(); ++s) {
+    EXPECT_NEAR(ddp.losses[s], ref.losses[s], 1e-4 * ref.losses[s]) << "step " << s + 1;
+  }
+}
+
+}  // namespace

@@ -313,6 +313,25 @@ const cai_config::Value& Lookup(const cai_config& c, const char* key) {
 }
 }  // namespace
 
+ModelConfig ZooModelConfig(const cai_config& m) {
+  ModelConfig config;
+  config.arch =
+      GetString(m, "kind") == "llama" ? ModelConfig::Arch::kLlama : ModelConfig::Arch::kGpt2;
+  config.vocab_size = GetInt(m, "vocab_size");
+  config.n_ctx = GetInt(m, "n_ctx");
+  config.n_layer = GetInt(m, "n_layer");
+  config.n_head = GetInt(m, "n_head");
+  config.n_kv_head = GetInt(m, "n_kv_head");
+  config.n_embd = GetInt(m, "n_embd");
+  config.ffn_hidden = GetInt(m, "ffn_hidden");
+  config.bias = GetBool(m, "bias");
+  return config;
+}
+
+cai_precision ParsePrecision(const std::string& p) {
+  return p == "bf16" ? CAI_PRECISION_BF16 : p == "fp16" ? CAI_PRECISION_FP16 : CAI_PRECISION_FP32;
+}
+
 bool GetBool(const cai_config& c, const char* key) { return Lookup(c, key).b; }
 int64_t GetInt(const cai_config& c, const char* key) { return Lookup(c, key).i; }
 double GetFloat(const cai_config& c, const char* key) { return Lookup(c, key).f; }

@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "cai/optimizer.h"
+#include "cai/plugin.h"
 #include "loader/config.h"
+#include "model/model.h"
 
 namespace cai {
 
@@ -39,6 +41,11 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
 // an unknown one) and appends it to resolved_toml.
 std::unique_ptr<cai_config> ResolvePluginConfig(JobConfig& job,
                                                 const std::vector<ConfigKey>& schema);
+
+// The zoo model [model] describes (model.kind gpt2 or llama).
+ModelConfig ZooModelConfig(const cai_config& model);
+// train.precision as the ABI's enumeration.
+cai_precision ParsePrecision(const std::string& precision);
 
 bool GetBool(const cai_config& c, const char* key);
 int64_t GetInt(const cai_config& c, const char* key);

@@ -72,22 +72,8 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
                 "cai plan sizes zoo models from their config; a TorchScript "
                 "model's size is known only once loaded (model.kind)");
   }
-  ModelConfig config;
-  config.arch =
-      GetString(m, "kind") == "llama" ? ModelConfig::Arch::kLlama : ModelConfig::Arch::kGpt2;
-  config.vocab_size = GetInt(m, "vocab_size");
-  config.n_ctx = GetInt(m, "n_ctx");
-  config.n_layer = GetInt(m, "n_layer");
-  config.n_head = GetInt(m, "n_head");
-  config.n_kv_head = GetInt(m, "n_kv_head");
-  config.n_embd = GetInt(m, "n_embd");
-  config.ffn_hidden = GetInt(m, "ffn_hidden");
-  config.bias = GetBool(m, "bias");
-  plan.size = ZooModelSize(config);
-  const std::string precision = GetString(*job.train, "precision");
-  plan.precision = precision == "bf16"   ? CAI_PRECISION_BF16
-                   : precision == "fp16" ? CAI_PRECISION_FP16
-                                         : CAI_PRECISION_FP32;
+  plan.size = ZooModelSize(ZooModelConfig(m));
+  plan.precision = ParsePrecision(GetString(*job.train, "precision"));
   plan.device_budget = MachineMemory() / static_cast<uint64_t>(world_size);
 
   const double psi = static_cast<double>(plan.size.params);

@@ -56,10 +56,6 @@ fs::path DefaultRunDir(const fs::path& job_file) {
   return fs::path("runs") / (stem + "-" + stamp);
 }
 
-cai_precision ParsePrecision(const std::string& p) {
-  return p == "bf16" ? CAI_PRECISION_BF16 : p == "fp16" ? CAI_PRECISION_FP16 : CAI_PRECISION_FP32;
-}
-
 uint64_t PrecisionCapability(cai_precision p) {
   return p == CAI_PRECISION_BF16   ? CAI_CAP_PRECISION_BF16
          : p == CAI_PRECISION_FP16 ? CAI_CAP_PRECISION_FP16
@@ -125,17 +121,7 @@ std::unique_ptr<Model> BuildModel(const JobConfig& job, uint64_t seed) {
     }
     return LoadTorchScriptModel(path, options);
   }
-  ModelConfig config;
-  config.arch = kind == "llama" ? ModelConfig::Arch::kLlama : ModelConfig::Arch::kGpt2;
-  config.vocab_size = GetInt(m, "vocab_size");
-  config.n_ctx = GetInt(m, "n_ctx");
-  config.n_layer = GetInt(m, "n_layer");
-  config.n_head = GetInt(m, "n_head");
-  config.n_kv_head = GetInt(m, "n_kv_head");
-  config.n_embd = GetInt(m, "n_embd");
-  config.ffn_hidden = GetInt(m, "ffn_hidden");
-  config.bias = GetBool(m, "bias");
-  auto model = MakeZooModel(config, seed, options);
+  auto model = MakeZooModel(ZooModelConfig(m), seed, options);
   model->SetActivationCheckpointing(GetBool(m, "activation_checkpointing"));
   return model;
 }

@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -631,6 +632,12 @@ int Run::Execute() {
 
 int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& env,
             const fs::path& run_dir) {
+  // Every step allocates and frees the same activation buffers. By default glibc serves large
+  // ones with mmap and returns them (or trims the heap) at free, so each step page-faults them
+  // in again: 22% of a rank's cycles in perf. Keeping freed memory in the heap lets the next
+  // step reuse it, as PyTorch's own CPU caching would.
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 512 << 20);
   InitLogging(env.rank, CAI_LOG_INFO, std::getenv("CAI_LAUNCHER") == nullptr);
   std::error_code ec;
   fs::create_directories(run_dir / "logs", ec);

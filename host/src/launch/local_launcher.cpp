@@ -101,6 +101,8 @@ struct Child {
   pid_t pid = -1;
   bool reaped = false;
   int status = 0;
+  bool failed_on_its_own = false;
+  bool stopped = false;  // ended, successfully or not, after the launcher began stopping ranks
   Pipe out, err;
 };
 
@@ -123,13 +125,13 @@ class Launcher {
     while (true) {
       Pump();
       Reap();
-      if (!failure_ && g_interrupt_signal != 0) {
-        failure_exit_code_ = 128 + g_interrupt_signal;
-        failure_ = std::string("the launcher got signal ") + std::to_string(g_interrupt_signal);
+      if (!stopping_ && g_interrupt_signal != 0) {
+        interrupt_ = g_interrupt_signal;
         StopAll();
       }
       if (kill_at_ && Clock::now() >= *kill_at_) {
         Signal(SIGKILL);
+        killed_ = true;
         kill_at_.reset();
       }
       if (AllReaped()) {
@@ -149,10 +151,16 @@ class Launcher {
       result.pids.push_back(c.pid);
       result.wait_statuses.push_back(c.status);
     }
-    if (failure_) {
-      result.exit_code = failure_exit_code_;
-      result.message = *failure_ + "; stopped " + std::to_string(stopped_) + " still-running rank" +
-                       (stopped_ == 1 ? "" : "s");
+    if (interrupt_) {
+      result.exit_code = 128 + *interrupt_;
+      result.message = "the launcher got signal " + std::to_string(*interrupt_) + "; " + Stopped();
+    } else if (const Child* cause = RootCause()) {
+      result.exit_code = ExitCodeFor(cause->status);
+      result.message = Describe(*cause);
+      for (const Child& c : children_) {
+        if (&c != cause && c.failed_on_its_own) result.message += "; also " + Describe(c);
+      }
+      result.message += "; " + Stopped();
     }
     return result;
   }
@@ -296,24 +304,53 @@ class Launcher {
   }
 
   void Reap() {
-    for (size_t i = 0; i < children_.size(); ++i) {
-      Child& c = children_[i];
-      if (c.reaped) continue;
-      const pid_t r = ::waitpid(c.pid, &c.status, WNOHANG);
-      if (r != c.pid) continue;
+    bool failed = false;
+    for (Child& c : children_) {
+      if (c.reaped || ::waitpid(c.pid, &c.status, WNOHANG) != c.pid) continue;
       c.reaped = true;
-      const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
-      if (!ok && !failure_) {
-        failure_ = "rank " + std::to_string(i) + " (pid " + std::to_string(c.pid) + ") " +
-                   DescribeStatus(c.status);
-        failure_exit_code_ = ExitCodeFor(c.status);
-        StopAll();
+      if (WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0) {
+        c.stopped = stopping_;
+        continue;
       }
+      // A rank that ends after the stop, of the launcher's own signal or of the broken
+      // connections the stop caused, was stopped; it did not fail on its own.
+      c.failed_on_its_own = !stopping_ || (WIFSIGNALED(c.status) && !OurSignal(c.status));
+      c.stopped = !c.failed_on_its_own;
+      failed = true;
     }
+    if (failed && !stopping_) StopAll();
+  }
+
+  bool OurSignal(int status) const {
+    return WTERMSIG(status) == SIGTERM || (killed_ && WTERMSIG(status) == SIGKILL);
+  }
+
+  // The rank to name when several failed on their own: the peers of a rank that died of a
+  // signal usually fail a moment later on its broken connections, and may be reaped first, so
+  // a rank killed by a signal is the likelier cause; otherwise the first one reaped.
+  const Child* RootCause() const {
+    const Child* first = nullptr;
+    for (const Child& c : children_) {
+      if (!c.failed_on_its_own) continue;
+      if (WIFSIGNALED(c.status)) return &c;
+      if (!first) first = &c;
+    }
+    return first;
+  }
+
+  std::string Describe(const Child& c) const {
+    return "rank " + std::to_string(&c - children_.data()) + " (pid " + std::to_string(c.pid) +
+           ") " + DescribeStatus(c.status);
+  }
+
+  std::string Stopped() const {
+    int n = 0;
+    for (const Child& c : children_) n += c.stopped ? 1 : 0;
+    return "stopped " + std::to_string(n) + " still-running rank" + (n == 1 ? "" : "s");
   }
 
   void StopAll() {
-    for (const Child& c : children_) stopped_ += c.reaped ? 0 : 1;
+    stopping_ = true;
     Signal(SIGTERM);
     kill_at_ = Clock::now() + options_.grace;
   }
@@ -349,9 +386,9 @@ class Launcher {
   const LaunchOptions& options_;
   std::vector<Child> children_;
   pid_t pgid_ = 0;
-  std::optional<std::string> failure_;
-  int failure_exit_code_ = 0;
-  int stopped_ = 0;
+  bool stopping_ = false;
+  bool killed_ = false;  // the grace period ran out and the launcher sent SIGKILL
+  std::optional<int> interrupt_;
   std::optional<Clock::time_point> kill_at_;
   std::optional<Clock::time_point> drain_until_;
 };

@@ -50,11 +50,12 @@ struct LaunchOptions {
 };
 
 struct LaunchResult {
-  // 0 when every rank exited 0. Otherwise what the launcher should exit with: the first
-  // failed rank's exit status, or 128 + signal number when it (or the launcher) was signalled.
+  // 0 when every rank exited 0. Otherwise what the launcher should exit with: the failed
+  // rank's exit status, or 128 + signal number when it (or the launcher) was signalled.
   int exit_code = 0;
-  // Empty on success; else names the first failed rank, its pid and exit status or signal,
-  // and how many ranks were stopped.
+  // Empty on success; else names the rank that failed (of those that failed before the
+  // launcher stopped the rest, one killed by a signal, else the first), its pid and exit
+  // status or signal, any other rank that failed on its own, and how many ranks were stopped.
   std::string message;
   std::vector<pid_t> pids;         // by rank
   std::vector<int> wait_statuses;  // by rank, as waitpid() reported them

@@ -4,6 +4,10 @@
 //   rank1-exits-3  rank 1 exits 3 after a moment; the others wait to be stopped
 //   rank0-ignores-term-rank1-exits-1
 //                  rank 0 ignores SIGTERM and hangs; rank 1 exits 1; the others wait
+//   rank0-exits-1-rank1-killed
+//                  rank 0 exits 1; rank 1, ignoring SIGTERM, kills itself with SIGKILL a
+//                  moment later (a peer failing on a dead rank's broken connection, reaped
+//                  before the dead rank)
 //   all-wait       every rank waits to be stopped
 // Every rank writes its pid to $CAI_TEST_PID_DIR/<rank> when that is set, so tests can check
 // that no process is left behind.
@@ -46,6 +50,15 @@ int main(int argc, char** argv) {
       ::usleep(200 * 1000);
       return 1;
     }
+  }
+  if (mode == "rank0-exits-1-rank1-killed") {
+    if (env->rank == 0) {
+      ::usleep(100 * 1000);  // so that rank 1 ignores SIGTERM before the launcher sends it
+      return 1;
+    }
+    ::signal(SIGTERM, SIG_IGN);
+    ::usleep(300 * 1000);
+    ::raise(SIGKILL);
   }
   while (true) ::pause();
 }

@@ -173,6 +173,18 @@ TEST(LaunchLocal, RankIgnoringSigtermWithDeadPeer_IsKilledAfterGrace) {
   ExpectAllGone(result.pids);
 }
 
+TEST(LaunchLocal, RankKilledBySignal_IsNamedBeforeAPeerThatExitedFirst) {
+  std::vector<Line> lines;
+  const LaunchResult result = LaunchLocal(Fake(2, "rank0-exits-1-rank1-killed", &lines));
+  EXPECT_EQ(result.exit_code, 128 + SIGKILL);
+  EXPECT_TRUE(result.message.starts_with("rank 1 (pid " + std::to_string(result.pids[1]) +
+                                         ") was killed by signal 9 (SIGKILL); also rank 0 (pid " +
+                                         std::to_string(result.pids[0]) +
+                                         ") exited with status 1; stopped 0 still-running ranks"))
+      << result.message;
+  ExpectAllGone(result.pids);
+}
+
 TEST(LaunchLocal, NprocBelowOne_IsAClearError) {
   std::vector<Line> lines;
   for (int n : {0, -2}) {

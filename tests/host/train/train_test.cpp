@@ -1,7 +1,10 @@
 // `cai train` as users run it: the reference learns, resume is exact, ranks join through every
 // launcher's variables, a dead rank ends the job, and bad input is refused clearly.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -166,10 +169,27 @@ std::vector<Result> JoinAs(int ranks, const std::function<std::string(int)>& env
   return results;
 }
 
+// A port for a rendezvous store that the test's ranks open themselves. Taken below Linux's
+// ephemeral range (32768 and up), where the connections of tests running alongside cannot
+// take it between this probe and the store's bind, and probed so that a listener already
+// there is skipped.
 int FreePortForTest() {
-  // Distinct enough across the three launcher styles run one after another.
-  static int next = 29500 + static_cast<int>(getpid() % 2000) * 4;
-  return next++;
+  static int next = 20000 + static_cast<int>(getpid() % 3000) * 4;
+  for (int tries = 0; tries < 1000; ++tries) {
+    const int port = 20000 + (next++ - 20000) % 12000;
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(static_cast<uint16_t>(port));
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
+    close(fd);
+    if (free) return port;
+  }
+  ADD_FAILURE() << "no free port between 20000 and 32000";
+  return 0;
 }
 
 TEST(Train, JoinsThroughTorchrunSlurmAndOpenMpiVariables) {
@@ -203,7 +223,7 @@ TEST(Train, JoinsThroughTorchrunSlurmAndOpenMpiVariables) {
     auto results = JoinAs(
         2, [&](int r) { return env(r, port); },
         std::string(TINY_JOB) + " --run-dir " + dir.str() +
-            " --set plugin.name=hello_strategy --set train.steps=3");
+            " --set plugin.name=hello_strategy --set train.steps=3 --set launch.timeout_s=60");
     for (int r = 0; r < 2; ++r) {
       ASSERT_EQ(results[r].code, 0) << name << " rank " << r << ":\n" << results[r].output;
     }

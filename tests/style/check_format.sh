@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$1"
 mapfile -t files < <(find abi host sdk plugins tests bench -type f \
-  \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cpp' \) ! -path 'tests/abi/v1.*/*' | sort)
+  \( -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cpp' -o -name '*.cu' \) ! -path 'tests/abi/v1.*/*' | sort)
 bad=()
 for f in "${files[@]}"; do
   clang-format --dry-run --Werror "$f" >/dev/null 2>&1 || bad+=("$f")

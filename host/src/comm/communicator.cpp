@@ -11,9 +11,12 @@
 //   all_to_all      gloo::alltoall, pairwise exchange.
 //   send / recv     Gloo unbound buffers on a slot derived from the tag.
 //   barrier         gloo::barrier.
-// NCCL, CUDA tensors (nccl_backend.h, built with CAI_WITH_CUDA): ncclAllReduce,
-//   ncclReduceScatter, ncclAllGather, ncclBroadcast, ncclReduce, grouped ncclSend/ncclRecv for
-//   all_to_all, ncclSend/ncclRecv; ncclAvg for avg.
+// NCCL, CUDA tensors (libcai_cuda.so, see cuda/module.cpp; loaded on the first CUDA tensor):
+//   ncclAllReduce, ncclReduceScatter, ncclAllGather, ncclBroadcast, ncclReduce, grouped
+//   ncclSend/ncclRecv for all_to_all, ncclSend/ncclRecv; ncclAvg for avg. One NCCL
+//   communicator per group and device, created on the group's first CUDA collective (as c10d's
+//   ProcessGroupNCCL does). These are enqueued on args.stream by the calling thread; their
+//   work handles are complete on return, meaning "ordered on the stream", not "done".
 //
 // Why not c10d's ProcessGroupGloo: in LibTorch 1.13 it has no reduce_scatter or
 // _allgather_base and cannot all-reduce bf16, so ZeRO would pay an all-reduce (twice the
@@ -53,6 +56,7 @@
 #include "comm/gloo_ops.h"
 #include "comm/store.h"
 #include "core/status.h"
+#include "cuda/cuda_module.h"
 
 using cai::comm::Buffer;
 using cai::comm::DType;
@@ -125,6 +129,9 @@ struct cai_comm_group {
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<gloo::Context> context;
   Counters counters;
+  // NCCL communicators by CUDA device, made on first use; guarded by device_mu.
+  std::mutex device_mu;
+  std::map<int, std::unique_ptr<cai::cuda::Collectives>> device_collectives;
 
   std::mutex mu;
   std::condition_variable cv;
@@ -278,10 +285,13 @@ Buffer ToBuffer(const cai_tensor* t, const std::string& where) {
   if (t == nullptr) throw Error(CAI_INVALID_ARGUMENT, where + " is NULL");
   Buffer b;
   b.dtype = ToDType(t->dtype, where);
-  if (t->device.device_type != CAI_DEVICE_CPU && t->device.device_type != CAI_DEVICE_CUDA_HOST) {
-    throw Error(CAI_UNIMPLEMENTED, where + " is on device type " +
-                                       std::to_string(t->device.device_type) +
-                                       "; this communicator runs Gloo and takes host memory only");
+  if (t->device.device_type == CAI_DEVICE_CUDA) {
+    b.cuda_device = t->device.device_id;
+  } else if (t->device.device_type != CAI_DEVICE_CPU &&
+             t->device.device_type != CAI_DEVICE_CUDA_HOST) {
+    throw Error(CAI_UNIMPLEMENTED,
+                where + " is on device type " + std::to_string(t->device.device_type) +
+                    "; the communicator takes host memory (Gloo) and CUDA memory (NCCL)");
   }
   if (t->ndim < 0 || (t->ndim > 0 && (t->shape == nullptr || t->strides == nullptr))) {
     throw Error(CAI_INVALID_ARGUMENT,
@@ -514,6 +524,9 @@ class Communicator::Impl {
       case CAI_COMM_BARRIER:
         break;
     }
+    if (const int device = CudaDevice(spec, where); device >= 0) {
+      return RunOnDevice(*g, spec, work, device, counted, args.stream);
+    }
     {
       std::lock_guard<std::mutex> lock(g->mu);
       if (args.op == CAI_COMM_SEND || args.op == CAI_COMM_RECV) {
@@ -531,6 +544,83 @@ class Communicator::Impl {
     totals_.Add(args.op, counted);
     g->cv.notify_one();
     return new cai_comm_work{std::move(work)};
+  }
+
+  // The CUDA device of the operation's buffers, -1 when they are in host memory; refuses a
+  // mix, which neither backend could run.
+  static int CudaDevice(const OpSpec& spec, const std::string& where) {
+    const bool in = spec.input.data != nullptr || spec.input.numel > 0;
+    const bool out = spec.output.data != nullptr || spec.output.numel > 0;
+    if (in && out && spec.input.cuda_device != spec.output.cuda_device) {
+      auto name = [](int d) {
+        return d < 0 ? std::string("host memory") : "CUDA device " + std::to_string(d);
+      };
+      throw Error(CAI_INVALID_ARGUMENT, where + ": input is in " + name(spec.input.cuda_device) +
+                                            " but output is in " + name(spec.output.cuda_device));
+    }
+    return out ? spec.output.cuda_device : in ? spec.input.cuda_device : -1;
+  }
+
+  class StoreKeyValue final : public cuda::KeyValue {
+   public:
+    explicit StoreKeyValue(comm::Store& store) : store_(store) {}
+    void Set(const std::string& key, const std::vector<char>& value) override {
+      store_.set(key, value);
+    }
+    std::vector<char> Get(const std::string& key, std::chrono::milliseconds timeout) override {
+      store_.wait({key}, timeout);
+      return store_.get(key);
+    }
+
+   private:
+    comm::Store& store_;
+  };
+
+  cai_comm_work* RunOnDevice(cai_comm_group& g, const OpSpec& spec,
+                             const std::shared_ptr<WorkState>& work, int device, uint64_t counted,
+                             void* stream) {
+    const std::string where = std::string(CommOpName(spec.op)) + " on group '" + g.name + "' (" +
+                              g.RankName(g.rank) + ") with CUDA tensors";
+    cuda::DeviceOp op;
+    op.op = spec.op;
+    op.reduce = spec.reduce;
+    op.input = spec.input.data;
+    op.output = spec.output.data;
+    op.dtype = comm::ToCaiDType(spec.op == CAI_COMM_SEND ? spec.input.dtype : spec.output.dtype);
+    op.root = spec.root;
+    op.peer = spec.peer;
+    const size_t n = static_cast<size_t>(g.size);
+    switch (spec.op) {
+      case CAI_COMM_ALL_GATHER:
+      case CAI_COMM_SEND:
+        op.count = spec.input.numel;
+        break;
+      case CAI_COMM_ALL_TO_ALL:
+        op.count = spec.input.numel / n;
+        break;
+      default:
+        op.count = spec.output.numel;
+    }
+    std::lock_guard<std::mutex> lock(g.device_mu);
+    try {
+      cuda::Module& module = cuda::Load();
+      auto& collectives = g.device_collectives[device];
+      if (!collectives) {
+        StoreKeyValue kv(*store_);
+        collectives = module.NewCollectives(
+            kv, "group-" + std::to_string(g.id) + "-device-" + std::to_string(device), g.rank,
+            g.size, device, g.timeout);
+      }
+      collectives->Run(op, stream);
+    } catch (const Error& e) {
+      g.device_collectives.erase(device);  // never half-made; a failed NCCL call may break it
+      throw Error(e.code(), where + ": " + e.what());
+    }
+    g.counters.Add(spec.op, counted);
+    totals_.Add(spec.op, counted);
+    work->description = where;
+    work->Finish(CAI_OK, "");
+    return new cai_comm_work{work};
   }
 
   cai_comm_counters Counters(const cai_comm_group* group) const {

@@ -55,6 +55,26 @@ const char* DTypeName(DType dtype) {
   return "?";
 }
 
+cai_dtype ToCaiDType(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return {CAI_DTYPE_FLOAT, 32, 1};
+    case DType::kF64:
+      return {CAI_DTYPE_FLOAT, 64, 1};
+    case DType::kBF16:
+      return {CAI_DTYPE_BFLOAT, 16, 1};
+    case DType::kF16:
+      return {CAI_DTYPE_FLOAT, 16, 1};
+    case DType::kI32:
+      return {CAI_DTYPE_INT, 32, 1};
+    case DType::kI64:
+      return {CAI_DTYPE_INT, 64, 1};
+    case DType::kU8:
+      return {CAI_DTYPE_UINT, 8, 1};
+  }
+  return {};
+}
+
 namespace {
 
 // Slot prefixes of our own algorithms, above Gloo's (0x01-0x08 in gloo/types.h) so that a

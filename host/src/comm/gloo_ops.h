@@ -17,6 +17,7 @@ enum class DType { kF32, kF64, kBF16, kF16, kI32, kI64, kU8 };
 
 size_t DTypeSize(DType dtype);
 const char* DTypeName(DType dtype);
+cai_dtype ToCaiDType(DType dtype);
 
 // A contiguous CPU buffer copied out of a cai_tensor at issue time (descriptors are borrowed
 // for the duration of the call only).
@@ -24,6 +25,7 @@ struct Buffer {
   std::byte* data = nullptr;
   size_t numel = 0;
   DType dtype = DType::kF32;
+  int cuda_device = -1;  // the CUDA device holding `data`; -1 for host memory
   size_t bytes() const { return numel * DTypeSize(dtype); }
 };
 

@@ -5,6 +5,7 @@
 
 #include "mem/parallel.h"
 #include "mem/vectorize.h"
+#include "optim/fused_scalars.h"
 
 namespace cai {
 namespace {
@@ -14,28 +15,6 @@ namespace {
 constexpr size_t kTile = 2048;
 // Thread range boundaries in elements: whole cache lines of the 2-byte low-precision copy.
 constexpr size_t kAlign = 64;
-
-struct AdamScalars {
-  float grad_scale;
-  float l2;  // Adam's weight decay, added to the gradient; 0 for AdamW
-  bool use_l2;
-  float decay;  // AdamW's p *= 1 - lr * weight_decay; 1 for Adam
-  float beta1, one_minus_beta1, beta2, one_minus_beta2;
-  float sqrt_bias_correction2;
-  float neg_step_size;
-  float eps;
-};
-
-struct SgdScalars {
-  float grad_scale;
-  float l2;
-  bool use_l2;
-  float momentum;
-  float one_minus_dampening;
-  float neg_lr;
-  bool first;
-  bool nesterov;
-};
 
 // Each line mirrors one ATen call of torch::optim::Adam(W)::step, in its order:
 // grad.add(p, wd); p.mul_(1 - lr*wd); exp_avg.mul_(b1).add_(grad, 1-b1);
@@ -107,36 +86,14 @@ void ForEachTile(const FusedUpdate& u, Rule rule) {
 }  // namespace
 
 void FusedAdam(const FusedUpdate& u, const GroupHyper& h, bool decoupled) {
-  const double step = static_cast<double>(u.step);
-  const double bias_correction1 = 1 - std::pow(h.beta1, step);
-  const double bias_correction2 = 1 - std::pow(h.beta2, step);
-  AdamScalars s{};
-  s.grad_scale = static_cast<float>(u.grad_scale);
-  s.use_l2 = !decoupled && h.weight_decay != 0;
-  s.l2 = s.use_l2 ? static_cast<float>(h.weight_decay) : 0.0f;
-  s.decay = decoupled ? static_cast<float>(1 - u.lr * h.weight_decay) : 1.0f;
-  s.beta1 = static_cast<float>(h.beta1);
-  s.one_minus_beta1 = static_cast<float>(1 - h.beta1);
-  s.beta2 = static_cast<float>(h.beta2);
-  s.one_minus_beta2 = static_cast<float>(1 - h.beta2);
-  s.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
-  s.neg_step_size = static_cast<float>(-(u.lr / bias_correction1));
-  s.eps = static_cast<float>(h.eps);
+  const AdamScalars s = MakeAdamScalars(u, h, decoupled);
   ForEachTile(u, [&](size_t i, const float* g, size_t n) {
     AdamTile(u.param + i, g, u.state[0] + i, u.state[1] + i, n, s);
   });
 }
 
 void FusedSgd(const FusedUpdate& u, const GroupHyper& h) {
-  SgdScalars s{};
-  s.grad_scale = static_cast<float>(u.grad_scale);
-  s.use_l2 = h.weight_decay != 0;
-  s.l2 = static_cast<float>(h.weight_decay);
-  s.momentum = static_cast<float>(h.momentum);
-  s.one_minus_dampening = static_cast<float>(1 - h.dampening);
-  s.neg_lr = static_cast<float>(-u.lr);
-  s.first = u.step == 1;
-  s.nesterov = h.nesterov;
+  const SgdScalars s = MakeSgdScalars(u, h);
   if (h.momentum == 0) {
     ForEachTile(u, [&](size_t i, const float* g, size_t n) { SgdTile(u.param + i, g, n, s); });
   } else {

@@ -66,12 +66,15 @@ cai_status* Update(const cai_optim_update_args* args) {
   return Guard([&] {
     RequireStructSize(args, CAI_OPTIM_UPDATE_ARGS_STRUCT_SIZE, "cai_optim_update_args");
     const Optimizer& o = Require(args->optimizer);
-    if (args->device.device_type != CAI_DEVICE_CPU &&
-        args->device.device_type != CAI_DEVICE_CUDA_HOST) {
-      Invalid("optimizer update: device type " + std::to_string(args->device.device_type) +
-              " is not host memory; this host was built for the CPU");
-    }
     FusedUpdate u;
+    if (args->device.device_type == CAI_DEVICE_CUDA) {
+      u.cuda_device = args->device.device_id;
+      u.stream = args->stream;
+    } else if (args->device.device_type != CAI_DEVICE_CPU &&
+               args->device.device_type != CAI_DEVICE_CUDA_HOST) {
+      Invalid("optimizer update: device type " + std::to_string(args->device.device_type) +
+              " is neither host memory nor a CUDA device");
+    }
     u.param = args->param;
     u.grad = args->grad;
     u.grad_type = RequireFloat(args->grad_dtype, "grad", true);

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/status.h"
+#include "cuda/cuda_module.h"
 #include "optim/fused_update.h"
 
 namespace cai {
@@ -123,7 +124,14 @@ void Optimizer::Update(uint32_t group, const FusedUpdate& u) const {
     Invalid("optimizer update: lr (" + std::to_string(u.lr) + ") and grad_scale (" +
             std::to_string(u.grad_scale) + ") must be finite");
   }
-  if (kind_ == CAI_OPTIM_SGD) {
+  if (u.cuda_device >= 0) {
+    cuda::Module& module = cuda::Load();
+    if (kind_ == CAI_OPTIM_SGD) {
+      module.Sgd(u, h, u.cuda_device, u.stream);
+    } else {
+      module.Adam(u, h, kind_ == CAI_OPTIM_ADAMW, u.cuda_device, u.stream);
+    }
+  } else if (kind_ == CAI_OPTIM_SGD) {
     FusedSgd(u, h);
   } else {
     FusedAdam(u, h, kind_ == CAI_OPTIM_ADAMW);

@@ -44,6 +44,10 @@ struct FusedUpdate {
   int64_t step = 1;       // 1-based; Adam's bias correction, SGD's momentum initialisation
   double lr = 0;          // this step's learning rate (LrAt)
   double grad_scale = 1;  // multiplies the gradient first: 1/loss_scale * clip coefficient
+  // >= 0: every pointer is memory of this CUDA device and the update is enqueued on `stream`
+  // (a cudaStream_t) by the CUDA module; -1: host memory, updated by the CPU kernels.
+  int cuda_device = -1;
+  void* stream = nullptr;
 };
 
 // Immutable after construction, hence thread-safe.

@@ -152,9 +152,11 @@ TEST(Comm, Comm_TwoRanks_InvalidArguments_RejectedWithClearMessages) {
     strided.t.shape = shape;
     strided.t.strides = strides;
     expect(Args(CAI_COMM_ALL_REDUCE, nullptr, &strided.t), CAI_INVALID_ARGUMENT, "not contiguous");
-    HostTensor<float> gpu(3, kF32);
-    gpu.t.device = {CAI_DEVICE_CUDA, 0};
-    expect(Args(CAI_COMM_ALL_REDUCE, nullptr, &gpu.t), CAI_UNIMPLEMENTED, "host memory only");
+    HostTensor<float> rocm(3, kF32);
+    rocm.t.device = {10, 0};  // DLPack's kDLROCM: neither backend takes it
+    expect(Args(CAI_COMM_ALL_REDUCE, nullptr, &rocm.t), CAI_UNIMPLEMENTED,
+           "is on device type 10; the communicator takes host memory (Gloo) and CUDA memory "
+           "(NCCL)");
     HostTensor<float> null_data(3, kF32);
     null_data.t.data = nullptr;
     expect(Args(CAI_COMM_ALL_REDUCE, nullptr, &null_data.t), CAI_INVALID_ARGUMENT,

@@ -1,0 +1,83 @@
+#include <dlfcn.h>
+
+#include <filesystem>
+#include <mutex>
+
+#include "core/status.h"
+#include "cuda/cuda_module.h"
+
+namespace cai::cuda {
+namespace {
+
+// $CAI_CUDA_MODULE, when set and not empty.
+const char* ModuleOverride() {
+  const char* path = std::getenv("CAI_CUDA_MODULE");
+  return path && *path ? path : nullptr;
+}
+
+std::filesystem::path ModulePath() {
+  if (const char* path = ModuleOverride()) return path;
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<void*>(&Load), &info) == 0 || info.dli_fname == nullptr) {
+    return "libcai_cuda.so";
+  }
+  return std::filesystem::path(info.dli_fname).parent_path() / "cai" / "libcai_cuda.so";
+}
+
+Module* Open() {
+  const std::filesystem::path path = ModulePath();
+#ifndef CAI_HAVE_CUDA_MODULE
+  if (!ModuleOverride()) {
+    throw Error(CAI_UNAVAILABLE,
+                "this cai was built without CUDA (CMake found no CUDA toolkit with NCCL), so "
+                "it cannot take tensors on a CUDA device; rebuild with CUDA and NCCL installed "
+                "or keep tensors in host memory");
+  }
+#endif
+  // RTLD_LOCAL: the CUDA runtime and NCCL stay private to the module; never unloaded, as
+  // NCCL's threads may outlive any handle.
+  void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* why = ::dlerror();
+    throw Error(CAI_UNAVAILABLE,
+                "cannot load cai's CUDA module " + path.string() + ": " +
+                    (why ? why : "unknown error") +
+                    " (install the cai CUDA package, or set CAI_CUDA_MODULE to libcai_cuda.so; "
+                    "its CUDA runtime and NCCL must be on the loader's path)");
+  }
+  auto* create = reinterpret_cast<decltype(&cai_cuda_module_create)>(
+      ::dlsym(handle, "cai_cuda_module_create"));
+  if (create == nullptr) {
+    throw Error(CAI_UNAVAILABLE,
+                path.string() + " has no cai_cuda_module_create: not a cai CUDA module");
+  }
+  Module* module = create(BuildId());
+  if (module == nullptr) {
+    throw Error(CAI_UNAVAILABLE, path.string() +
+                                     " was built from another cai build than this host (" +
+                                     BuildId() + "); install the module of the same release");
+  }
+  return module;
+}
+
+}  // namespace
+
+Module& Load() {
+  // Loaded at most once; a failure is remembered so every caller gets the same answer.
+  static std::once_flag once;
+  static Module* module = nullptr;
+  static std::string failure;
+  static cai_status_code failure_code = CAI_UNAVAILABLE;
+  std::call_once(once, [] {
+    try {
+      module = Open();
+    } catch (const Error& e) {
+      failure = e.what();
+      failure_code = e.code();
+    }
+  });
+  if (module == nullptr) throw Error(failure_code, failure);
+  return *module;
+}
+
+}  // namespace cai::cuda

@@ -3,10 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${CAI_BUILD_DIR:-build}
-# ccache may reuse objects compiled against the shared precompiled <torch/torch.h>, and objects
-# compiled in another checkout of the same sources (paths relative to the checkout).
-export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
-export CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
+source scripts/ccache-env.sh "$PWD"
 if [[ ! -f $build/build.ninja ]]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@"
 fi

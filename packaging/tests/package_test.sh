@@ -13,13 +13,13 @@
 #      same files under /usr/lib64 with the same relations, install them into a throwaway root
 #      and list the plugins from there.
 # usage: package_test.sh BUILD_DIR SOURCE_DIR
-# Builds of its own go to $CAI_PACKAGE_BUILD_DIR (default BUILD_DIR/packaging-test) and are
-# kept, so a rerun is incremental. Needs root, since it installs the debs with dpkg; exits 77
-# (skipped) without.
+# Builds of its own go to BUILD_DIR-deb and BUILD_DIR-rpm (beside BUILD_DIR, so that ccache
+# finds BUILD_DIR's objects under the same relative paths) and are kept, so a rerun is
+# incremental. Needs root, since it installs the debs with dpkg; exits 77 (skipped) without.
 set -euo pipefail
 build=$(cd "$1" && pwd)
 src=$(cd "$2" && pwd)
-own=${CAI_PACKAGE_BUILD_DIR:-$build/packaging-test}
+source "$src/scripts/ccache-env.sh" "$src"
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 if [[ $(id -u) -ne 0 ]]; then
@@ -94,7 +94,7 @@ if [[ $(cache_get CMAKE_INSTALL_PREFIX "$build") == /usr &&
       $(cache_get CMAKE_INSTALL_LIBDIR "$build") == lib/$multiarch ]]; then
   deb_build=$build
 else
-  deb_build=$own/deb
+  deb_build=$build-deb
   echo "building for the deb layout in $deb_build"
   own_build "$deb_build"
 fi
@@ -285,7 +285,7 @@ done <"$work/installed-paths"
 echo "ok: purged; nothing of the $(wc -l <"$work/installed-paths") installed paths is left"
 
 # --- 6. rpms ----------------------------------------------------------------------------------
-rpm_build=$own/rpm
+rpm_build=$build-rpm
 echo "building for the rpm layout in $rpm_build"
 own_build "$rpm_build" -DCMAKE_INSTALL_LIBDIR=lib64
 run_cpack "$rpm_build" RPM

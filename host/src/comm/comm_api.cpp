@@ -89,13 +89,7 @@ void WorkRelease(cai_comm_work* work) { Communicator::Release(work); }
 
 cai_status* GetCounters(const cai_comm_group* group, cai_comm_counters* out) {
   return Guard([&] {
-    if (out == nullptr) throw Error(CAI_INVALID_ARGUMENT, "counters: out is NULL");
-    if (out->struct_size < CAI_COMM_COUNTERS_STRUCT_SIZE) {
-      throw Error(CAI_INVALID_ARGUMENT,
-                  "counters: out->struct_size is " + std::to_string(out->struct_size) +
-                      ", smaller than the " + std::to_string(CAI_COMM_COUNTERS_STRUCT_SIZE) +
-                      " bytes of ABI v1.0 (set it to CAI_COMM_COUNTERS_STRUCT_SIZE)");
-    }
+    RequireStructSize(out, CAI_COMM_COUNTERS_STRUCT_SIZE, "counters: out");
     cai_comm_counters counters = Required("counters").Counters(group);
     for (int i = 0; i < CAI_COMM_NUM_OPS; ++i) {
       out->calls[i] = counters.calls[i];

@@ -409,12 +409,7 @@ class Communicator::Impl {
   }
 
   cai_comm_work* Run(const cai_comm_args& args) {
-    if (args.struct_size < CAI_COMM_ARGS_STRUCT_SIZE) {
-      throw Error(CAI_INVALID_ARGUMENT,
-                  "cai_comm_args.struct_size is " + std::to_string(args.struct_size) +
-                      ", smaller than the " + std::to_string(CAI_COMM_ARGS_STRUCT_SIZE) +
-                      " bytes of ABI v1.0 (set it to CAI_COMM_ARGS_STRUCT_SIZE)");
-    }
+    RequireStructSize(&args, CAI_COMM_ARGS_STRUCT_SIZE, "cai_comm_args");
     if (args.op < 0 || args.op >= CAI_COMM_NUM_OPS) {
       throw Error(CAI_INVALID_ARGUMENT, "run: unknown cai_comm_op " + std::to_string(args.op));
     }

@@ -31,6 +31,20 @@ const char* StatusMessage(const cai_status* status);
 // Does nothing for NULL (success).
 void ThrowIfError(cai_status* status);
 
+// Every ABI argument struct: throws INVALID_ARGUMENT unless `s` is non-NULL and its
+// struct_size covers `needed`, the bytes of the struct's ABI 1.0 layout (fields beyond the
+// caller's struct_size read as absent). `what` names the argument, e.g. "param_info: out".
+template <class S>
+void RequireStructSize(const S* s, size_t needed, std::string_view what) {
+  if (s == nullptr) throw Error(CAI_INVALID_ARGUMENT, std::string(what) + " is NULL");
+  if (s->struct_size < needed) {
+    throw Error(CAI_INVALID_ARGUMENT,
+                std::string(what) + ".struct_size is " + std::to_string(s->struct_size) +
+                    ", smaller than the " + std::to_string(needed) +
+                    " bytes of ABI v1.0: set it to the struct's CAI_*_STRUCT_SIZE macro");
+  }
+}
+
 // Runs `fn` and returns NULL, or the status of whatever it threw. Never throws.
 template <class F>
 cai_status* Guard(F&& fn) noexcept {

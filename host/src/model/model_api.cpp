@@ -24,19 +24,6 @@ void NotNull(const void* pointer, const char* function, const char* argument) {
   }
 }
 
-// Argument structs: non-NULL and at least as large as the 1.0 layout, which every model
-// struct still has (CHANGELOG.md).
-template <class S>
-void CheckStruct(const S* s, size_t size, const char* function, const char* argument) {
-  NotNull(s, function, argument);
-  if (s->struct_size < size) {
-    throw Error(CAI_INVALID_ARGUMENT, std::string(function) + ": " + argument + "->struct_size " +
-                                          std::to_string(s->struct_size) + " is smaller than " +
-                                          std::to_string(size) + "; set it to the struct's " +
-                                          "CAI_*_STRUCT_SIZE");
-  }
-}
-
 // Copies what both sides know into a caller's out-struct; struct_size then says how much.
 template <class S>
 void WriteOut(const S& value, S* out) {
@@ -56,7 +43,7 @@ uint32_t NumParams(const cai_model* model) {
 cai_status* ParamInfo(const cai_model* model, uint32_t index, cai_param_info* out) {
   return Guard([&] {
     const Model* m = Get(model, "param_info");
-    CheckStruct(out, CAI_PARAM_INFO_STRUCT_SIZE, "param_info", "out");
+    RequireStructSize(out, CAI_PARAM_INFO_STRUCT_SIZE, "param_info: out");
     WriteOut(m->ParamInfo(index), out);
   });
 }
@@ -68,7 +55,7 @@ uint32_t NumUnits(const cai_model* model) {
 cai_status* UnitInfo(const cai_model* model, uint32_t index, cai_unit_info* out) {
   return Guard([&] {
     const Model* m = Get(model, "unit_info");
-    CheckStruct(out, CAI_UNIT_INFO_STRUCT_SIZE, "unit_info", "out");
+    RequireStructSize(out, CAI_UNIT_INFO_STRUCT_SIZE, "unit_info: out");
     WriteOut(m->UnitInfo(index), out);
   });
 }
@@ -144,7 +131,7 @@ cai_status* ZeroGrad(cai_model* model, bool set_to_none) {
 cai_status* RegisterHook(cai_model* model, const cai_hook_args* args, uint64_t* id) {
   return Guard([&] {
     Model* m = Get(model, "register_hook");
-    CheckStruct(args, CAI_HOOK_ARGS_STRUCT_SIZE, "register_hook", "args");
+    RequireStructSize(args, CAI_HOOK_ARGS_STRUCT_SIZE, "register_hook: args");
     NotNull(id, "register_hook", "id");
     NotNull(reinterpret_cast<const void*>(args->fn), "register_hook", "args->fn");
     const cai_hook_fn fn = args->fn;
@@ -162,7 +149,7 @@ cai_status* RemoveHook(cai_model* model, uint64_t id) {
 cai_status* ForwardBackward(cai_model* model, const cai_forward_backward_args* args) {
   return Guard([&] {
     Model* m = Get(model, "forward_backward");
-    CheckStruct(args, CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE, "forward_backward", "args");
+    RequireStructSize(args, CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE, "forward_backward: args");
     NotNull(args->tokens, "forward_backward", "args->tokens");
     NotNull(args->targets, "forward_backward", "args->targets");
     const double loss = m->ForwardBackward(*args->tokens, *args->targets, args->backward,
@@ -174,7 +161,7 @@ cai_status* ForwardBackward(cai_model* model, const cai_forward_backward_args* a
 cai_status* StageForward(cai_model* model, const cai_stage_forward_args* args) {
   return Guard([&] {
     Model* m = Get(model, "stage_forward");
-    CheckStruct(args, CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE, "stage_forward", "args");
+    RequireStructSize(args, CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE, "stage_forward: args");
     const bool is_last = args->last_unit == static_cast<int32_t>(m->NumUnits());
     if (!is_last) NotNull(args->output, "stage_forward", "args->output (non-last stage)");
     Model::StageResult result = m->StageForward(args->first_unit, args->last_unit, args->tokens,
@@ -189,7 +176,7 @@ cai_status* StageForward(cai_model* model, const cai_stage_forward_args* args) {
 cai_status* StageBackward(cai_model* model, const cai_stage_backward_args* args) {
   return Guard([&] {
     Model* m = Get(model, "stage_backward");
-    CheckStruct(args, CAI_STAGE_BACKWARD_ARGS_STRUCT_SIZE, "stage_backward", "args");
+    RequireStructSize(args, CAI_STAGE_BACKWARD_ARGS_STRUCT_SIZE, "stage_backward: args");
     m->StageBackward(FromHandle(args->activation), args->micro_batch, args->grad_output,
                      args->grad_input, OrOne(args->loss_scale));
   });
@@ -217,7 +204,7 @@ cai_status* SetActivationCheckpointing(cai_model* model, bool enabled) {
 cai_status* ApplyTensorParallel(cai_model* model, const cai_tensor_parallel_args* args) {
   return Guard([&] {
     Get(model, "apply_tensor_parallel");
-    CheckStruct(args, CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE, "apply_tensor_parallel", "args");
+    RequireStructSize(args, CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE, "apply_tensor_parallel: args");
     throw Error(CAI_UNIMPLEMENTED,
                 "apply_tensor_parallel: host-side tensor parallelism lands with the "
                 "hybrid-parallel strategy; until then parameters stay whole on every rank");

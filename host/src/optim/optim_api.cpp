@@ -15,16 +15,6 @@ namespace {
   throw Error(CAI_INVALID_ARGUMENT, message);
 }
 
-template <class T>
-void RequireStructSize(const T* s, size_t needed, const char* what) {
-  if (!s) Invalid(std::string(what) + " is NULL");
-  if (s->struct_size < needed) {
-    Invalid(std::string(what) + ".struct_size is " + std::to_string(s->struct_size) +
-            ", smaller than the " + std::to_string(needed) +
-            " bytes of ABI v1.0: set it to the struct's *_STRUCT_SIZE macro");
-  }
-}
-
 FloatType RequireFloat(cai_dtype d, const char* what, bool allow_f32) {
   if (d.lanes == 1 && d.code == CAI_DTYPE_FLOAT && d.bits == 32 && allow_f32) {
     return FloatType::kF32;

@@ -597,7 +597,9 @@ TEST(ModelApi, BadArguments_ReturnStatusesNamingThem) {
   info.struct_size = 8;
   s = Take(api->param_info(h, 0, &info));
   EXPECT_EQ(s.code, CAI_INVALID_ARGUMENT);
-  EXPECT_NE(s.message.find("out->struct_size 8 is smaller"), std::string::npos);
+  EXPECT_EQ(s.message, "param_info: out.struct_size is 8, smaller than the " +
+                           std::to_string(CAI_PARAM_INFO_STRUCT_SIZE) +
+                           " bytes of ABI v1.0: set it to the struct's CAI_*_STRUCT_SIZE macro");
   info.struct_size = CAI_PARAM_INFO_STRUCT_SIZE;
   ASSERT_EQ(api->param_info(h, 0, &info), nullptr);
   EXPECT_STREQ(info.name, "wte.weight");

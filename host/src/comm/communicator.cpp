@@ -186,8 +186,9 @@ class ProgressBoard {
     cv_.notify_one();
   }
 
-  // For each peer of `group` that has not started collective `seq`, a phrase naming it.
-  std::vector<std::string> Laggards(const cai_comm_group& group, uint64_t seq) {
+  // For each peer of `group` that has not started collective `seq`, a phrase naming it;
+  // nullopt when the store cannot be read (rank 0, which serves it, has gone).
+  std::optional<std::vector<std::string>> Laggards(const cai_comm_group& group, uint64_t seq) {
     std::vector<std::string> out;
     for (int r = 0; r < group.size; ++r) {
       if (r == group.rank) continue;
@@ -195,7 +196,7 @@ class ProgressBoard {
       try {
         value = store_->TryGet(Key(group.id, r));
       } catch (const std::exception&) {
-        return {};  // the store is gone with rank 0; nothing can be said
+        return std::nullopt;
       }
       const uint64_t last = value ? std::stoull(*value) : 0;
       if (last >= seq) continue;
@@ -750,12 +751,15 @@ class Communicator::Impl {
               std::chrono::steady_clock::now() - start);
           message = "timed out after " + std::to_string(waited.count()) + " ms (timeout " +
                     std::to_string(spec.timeout.count()) + " ms)";
-          std::string laggards;
-          for (const auto& l : progress_->Laggards(g, w->seq)) {
-            laggards += (laggards.empty() ? "" : "; ") + l;
+          const auto laggards = progress_->Laggards(g, w->seq);
+          std::string named;
+          for (const auto& l : laggards.value_or(std::vector<std::string>{})) {
+            named += (named.empty() ? "" : "; ") + l;
           }
-          message += laggards.empty() ? "; every rank started it, so a peer stalled inside it"
-                                      : "; " + laggards;
+          message += !laggards ? "; which peer is missing is unknown: the rendezvous store on "
+                                 "rank 0 no longer answers (rank 0 has left)"
+                     : named.empty() ? "; every rank started it, so a peer stalled inside it"
+                                     : "; " + named;
           message += " [gloo: " + std::string(e.what()) + "]";
         }
         Fail(g, *w, code, message);

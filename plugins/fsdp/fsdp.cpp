@@ -25,6 +25,10 @@
 //  POST_BACKWARD(block)  reduce-scatter (SUM) the gradient buffer: this rank's s_u summed
 //                        elements are added into its gradient shard; release, free both.
 //  end        reduce-scatter the root's gradient, release the root.
+// Prefetch (PyTorch's forward_prefetch / BACKWARD_PRE): the next block's all-gather is
+// started asynchronously when a block's forward (backward) begins and waited for in that
+// block's own PRE hook, so it runs behind compute; one block ahead at most, so a prefetching
+// rank holds one more gathered block (4·N·s_u) than the figures below.
 // SHARD_GRAD_OP keeps a block gathered from its forward to the end of its backward (one
 // all-gather less per block). NO_SHARD is one shard per rank (s_u = Ψ_u): the parameters stay
 // views of the local flat copy and gradients are all-reduced instead of reduce-scattered.
@@ -48,7 +52,8 @@
 //   ≤ (8 + 4k)·S + 8·N·(s_root + max s_block) + 4·max s_u.
 //
 // Not implemented yet (each refused at create or boost with a message, never ignored):
-// HYBRID_SHARD, forward_prefetch / backward_prefetch (gathers are synchronous, no overlap),
+// HYBRID_SHARD, backward_prefetch = "post", asynchronous reduce-scatter (only all-gathers
+// overlap compute, and only with prefetch), a configurable prefetch depth (one block ahead),
 // cpu_offload, mixed precision (train.precision must be fp32), wrapping by parameter count,
 // no_sync (every micro-batch reduce-scatters; accumulation is exact but moves the gradient
 // bytes once per micro-batch). Checkpoints use the canonical full layout of the reference
@@ -118,11 +123,12 @@ class Fsdp {
                 "Broadcast rank 0's parameters and buffers at boost, so every rank starts from "
                 "the same weights whatever it loaded."),
         BoolKey("forward_prefetch", "false",
-                "Gather the next unit while the current one runs forward: not implemented yet "
-                "(true is refused)."),
+                "Start the next block's all-gather when a block's forward begins, so it runs "
+                "behind compute; one block ahead at most (one more block of memory)."),
         StringKey("backward_prefetch", "\"none\"",
-                  "Gather the previous unit before (pre) or after (post) the current unit's "
-                  "gradient reduction: not implemented yet (only none is accepted).",
+                  "pre: start the previous block's all-gather when a block's backward begins "
+                  "(FULL_SHARD; one block ahead at most). post (after the block's gradient "
+                  "reduction): not implemented yet.",
                   kBackwardPrefetch),
         BoolKey("cpu_offload", "false",
                 "Keep parameter shards in host memory: not implemented yet (true is refused)."),
@@ -142,11 +148,11 @@ class Fsdp {
     if (wrap == "size") NotYet("auto_wrap = \"size\"; use \"block\" or \"none\"");
     wrap_blocks_ = wrap == "block";
     sync_module_states_ = config.Bool("sync_module_states");
-    if (config.Bool("forward_prefetch")) NotYet("forward_prefetch = true; set it to false");
-    if (config.String("backward_prefetch") != "none") {
-      NotYet("backward_prefetch = \"" + config.String("backward_prefetch") +
-             "\"; set it to \"none\"");
-    }
+    forward_prefetch_ = config.Bool("forward_prefetch");
+    const std::string backward_prefetch = config.String("backward_prefetch");
+    if (backward_prefetch == "post")
+      NotYet("backward_prefetch = \"post\"; use \"pre\" or \"none\"");
+    backward_prefetch_ = backward_prefetch == "pre";
     if (config.Bool("cpu_offload")) NotYet("cpu_offload = true; set it to false");
   }
 
@@ -494,6 +500,7 @@ class Fsdp {
     Buffer gathered;    // N·s_u fp32 while gathered (sharded strategies)
     Buffer grads;       // N·s_u fp32 while a backward accumulates into it
     bool released = false;
+    cai::sdk::Work prefetch;  // an all-gather into `gathered` not yet waited for
   };
 
   static std::string Str(int64_t v) { return std::to_string(v); }
@@ -521,14 +528,18 @@ class Fsdp {
     k.result = result;
     Check(Host().mempool->kernel(&k));
   }
-  static void Collective(cai_comm_op op, const cai_tensor* input, const cai_tensor* output) {
+  static cai::sdk::Work Collective(cai_comm_op op, const cai_tensor* input,
+                                   const cai_tensor* output, bool async = false) {
     cai_comm_args c{};
     c.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
     c.op = op;
     c.reduce_op = CAI_REDUCE_SUM;
     c.input = input;
     c.output = output;
-    Check(Host().comm->run(&c, nullptr));
+    c.async = async;
+    cai_comm_work* work = nullptr;
+    Check(Host().comm->run(&c, async ? &work : nullptr));
+    return cai::sdk::Work(work);
   }
   static void Broadcast(const cai_tensor& t) { Collective(CAI_COMM_BROADCAST, nullptr, &t); }
 
@@ -554,12 +565,15 @@ class Fsdp {
   }
 
   void ReleaseParams(Unit& u) {
-    if (no_shard_ || u.released) return;
-    for (const Member& m : u.members) {
-      Check(Host().model->release_param_storage(model_, m.param));
+    u.prefetch = cai::sdk::Work();  // a prefetch still writing into u.gathered finishes first
+    if (no_shard_) return;
+    if (!u.released) {
+      for (const Member& m : u.members) {
+        Check(Host().model->release_param_storage(model_, m.param));
+      }
+      u.released = true;
     }
     u.gathered = Buffer();
-    u.released = true;
   }
 
   // All-gathers `shards`' part of unit u into a new N·s_u buffer.
@@ -577,8 +591,27 @@ class Fsdp {
 
   void Gather(Unit& u) {
     if (no_shard_ || !u.released || u.members.empty()) return;
-    u.gathered = GatherCopy(u, params_);
+    if (u.prefetch.valid()) {
+      u.prefetch.Wait();
+      u.prefetch = cai::sdk::Work();
+    } else {
+      u.gathered = GatherCopy(u, params_);
+    }
     PointParams(u, u.gathered, 0);
+  }
+
+  // Starts units_[k]'s all-gather without waiting for it; Gather completes it. Every rank
+  // prefetches at the same hooks, so collectives keep one order across ranks.
+  void Prefetch(size_t k) {
+    if (k < 1 || k >= units_.size()) return;  // blocks only: the root is gathered throughout
+    Unit& u = units_[k];
+    if (no_shard_ || shards_ == 1 || !u.released || u.members.empty() || u.prefetch.valid()) {
+      return;
+    }
+    u.gathered = Alloc(u.full, "fsdp.gathered", false);
+    cai_tensor in = Vec(F32(params_, u.base), device_, kF32, &u.shard);
+    cai_tensor out = Vec(u.gathered.data(), device_, kF32, &u.full);
+    u.prefetch = Collective(CAI_COMM_ALL_GATHER, &in, &out, /*async=*/true);
   }
 
   // The unit's .grad become views of a zeroed flat buffer laid out like its parameter.
@@ -627,6 +660,7 @@ class Fsdp {
     switch (e.kind) {
       case CAI_HOOK_PRE_FORWARD:
         Gather(u);
+        if (forward_prefetch_ && !e.recompute) Prefetch(static_cast<size_t>(k) + 1);
         break;
       case CAI_HOOK_POST_FORWARD:
         // A recomputation inside backward (activation checkpointing) keeps what backward needs.
@@ -634,6 +668,7 @@ class Fsdp {
         break;
       case CAI_HOOK_PRE_BACKWARD:
         Gather(u);
+        if (backward_prefetch_ && full_shard_) Prefetch(static_cast<size_t>(k) - 1);
         BeginGrads(u);
         break;
       case CAI_HOOK_POST_BACKWARD:
@@ -649,6 +684,8 @@ class Fsdp {
   bool no_shard_ = false;
   bool wrap_blocks_ = true;
   bool sync_module_states_ = true;
+  bool forward_prefetch_ = false;
+  bool backward_prefetch_ = false;  // "pre"
 
   cai_model* model_ = nullptr;
   cai_optimizer* optimizer_ = nullptr;

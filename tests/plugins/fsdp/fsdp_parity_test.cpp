@@ -263,10 +263,12 @@ void ExpectZero3Bytes(const RunResult& ref, const RunResult& run, int n, bool fu
 // element of this rank's shards, plus at the peak of backward the root and one block gathered
 // with their full gradient buffers, one reduce-scatter output and the step's sums. Well below
 // a replica's 16Ψ.
-void ExpectShardedMemory(const RunResult& ref, const RunResult& run, int n) {
+// With prefetch, `prefetched` more blocks are gathered.
+void ExpectShardedMemory(const RunResult& ref, const RunResult& run, int n, int prefetched = 0) {
   const Layout l = LayoutOf(ref, n);
   const double shards = 16.0 * (l.root_shard + l.blocks_shard);
-  const double bound = shards + 8.0 * n * (l.root_shard + l.max_block_shard) + 4.0 * l.max_shard +
+  const double bound = shards + 8.0 * n * (l.root_shard + l.max_block_shard) +
+                       4.0 * n * prefetched * l.max_block_shard + 4.0 * l.max_shard +
                        8.0 * (1 + l.params);
   const std::vector<RankFigures> ranks = Figures(run);
   ASSERT_EQ(ranks.size(), static_cast<size_t>(n)) << run.summary;
@@ -327,6 +329,22 @@ TEST(FsdpParity, Fsdp_TwoRanks_NoShardMatchesReference) {
     EXPECT_EQ(f.reduce_scatter, 0);
     EXPECT_EQ(f.all_reduce, 4.0 * l.psi + 8.0 * (1 + l.params));
   }
+}
+
+// Prefetch: the next block's all-gather is in flight while a block computes, forward and
+// backward. Same results, same bytes; the peak shows the extra block actually held.
+TEST(FsdpParity, Fsdp_ThreeRanks_PrefetchMatchesReferenceHoldingOneMoreBlock) {
+  const RunResult& ref = Reference({});
+  const RunResult run =
+      Fsdp("prefetch", 3, "FULL_SHARD",
+           {"plugin.fsdp.forward_prefetch=true", "plugin.fsdp.backward_prefetch=pre"});
+  ExpectMatches(ref, run);
+  ExpectZero3Bytes(ref, run, 3, true);
+  ExpectShardedMemory(ref, run, 3, 1);
+  const Layout l = LayoutOf(ref, 3);
+  const double without = 16.0 * (l.root_shard + l.blocks_shard) +
+                         8.0 * 3 * (l.root_shard + l.max_block_shard) + 4.0 * l.max_shard;
+  for (const RankFigures& f : Figures(run)) EXPECT_GT(f.device_peak, without);
 }
 
 // auto_wrap = none: the whole model is one root unit, gathered once per micro-batch.
@@ -401,8 +419,7 @@ TEST(FsdpParity, Fsdp_SaveOnTwoRanksResumeOnThree_MatchesReference) {
 TEST(FsdpParity, Fsdp_UnimplementedOptionsFailClearly) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"plugin.fsdp.sharding_strategy=HYBRID_SHARD"}, "HYBRID_SHARD"},
-      {{"plugin.fsdp.forward_prefetch=true"}, "forward_prefetch = true"},
-      {{"plugin.fsdp.backward_prefetch=pre"}, "backward_prefetch = \"pre\""},
+      {{"plugin.fsdp.backward_prefetch=post"}, "backward_prefetch = \"post\""},
       {{"plugin.fsdp.cpu_offload=true"}, "cpu_offload = true"},
       {{"plugin.fsdp.auto_wrap=size"}, "auto_wrap = \"size\""},
   };

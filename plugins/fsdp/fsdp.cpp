@@ -51,15 +51,17 @@
 //   backward its gradient buffer 4·N·s_u, plus the root's 2·4·N·s_root; so
 //   ≤ (8 + 4k)·S + 8·N·(s_root + max s_block) + 4·max s_u.
 //
-// Not implemented yet (each refused at create or boost with a message, never ignored):
-// HYBRID_SHARD, backward_prefetch = "post", asynchronous reduce-scatter (only all-gathers
-// overlap compute, and only with prefetch), a configurable prefetch depth (one block ahead),
-// cpu_offload, mixed precision (train.precision must be fp32), wrapping by parameter count,
-// no_sync (every micro-batch reduce-scatters; accumulation is exact but moves the gradient
-// bytes once per micro-batch). Checkpoints use the canonical full layout of the reference
-// ("model/<name>", "optim/<name>/<slot>"): save gathers one unit at a time and rank 0
-// writes it; load reads only this rank's slice of each tensor, so a checkpoint of any world
-// size or strategy loads at any other. Per-rank sharded checkpoint files are not written yet.
+// Not implemented yet. Refused with "not implemented yet" at create: HYBRID_SHARD,
+// backward_prefetch = "post", cpu_offload = true, auto_wrap = "size"; mixed precision is
+// refused by the host (the manifest declares fp32 only) and again at boost. Missing without a
+// key to ask for them: asynchronous reduce-scatter (only prefetched all-gathers overlap
+// compute), a configurable prefetch depth (one block ahead), no_sync (no CAI_CAP_NO_SYNC:
+// every micro-batch reduce-scatters, exact but moving the gradient bytes once per
+// micro-batch). Activation checkpointing is handled (a recomputed forward keeps the block
+// gathered) but not yet tested. Checkpoints use the reference's full layout ("model/<name>",
+// "optim/<name>/<slot>"): save gathers one unit at a time and rank 0 writes it; load reads
+// only this rank's slice of each tensor, so a checkpoint of any world size or strategy loads
+// at any other. Per-rank sharded checkpoint files are not written yet.
 #include <algorithm>
 #include <cai/sdk.hpp>
 #include <cmath>

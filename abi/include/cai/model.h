@@ -215,8 +215,12 @@ typedef struct cai_model_api {
    * buffer; the caller keeps that memory alive and unchanged in size until the next
    * replacement. release_param_storage frees the parameter's storage (zero bytes) keeping the
    * tensor valid; materialize_param_storage grows it back (contents undefined) and fills
-   * `out` so the caller can write it. replace_grad_storage makes gradients accumulate straight
-   * into caller memory (DDP's gradient_as_bucket_view); release_grad drops the gradient. */
+   * `out` so the caller can write it. Replacing a released parameter's storage with memory of
+   * its dtype refills that same storage in place, so the views autograd saved of it before the
+   * release see the caller's memory (FSDP all-gathers straight into the parameters this way;
+   * the caller releases the parameter again before that memory goes). replace_grad_storage makes
+   * gradients accumulate straight into caller memory (DDP's gradient_as_bucket_view); release_grad
+   * drops the gradient. */
   cai_status* (*replace_param_storage)(cai_model* model, uint32_t index, const cai_tensor* storage);
   cai_status* (*release_param_storage)(cai_model* model, uint32_t index);
   cai_status* (*materialize_param_storage)(cai_model* model, uint32_t index, cai_tensor* out);

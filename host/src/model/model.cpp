@@ -551,6 +551,12 @@ void Model::ReplaceParamStorage(uint32_t index, const cai_tensor& storage) {
                                    " must be contiguous with " + std::to_string(t.numel()) +
                                    " elements, got " + std::to_string(view.numel()));
   }
+  if (p.released && view.scalar_type() == t.scalar_type() && view.device() == t.device()) {
+    // Views autograd saved in forward share the released storage: refill it, do not swap it.
+    torch_compat::RefillStorage(t, view.data_ptr());
+    p.released = false;
+    return;
+  }
   if (view.scalar_type() != t.scalar_type()) t.mutable_grad().reset();
   t.set_data(view.view(p.shape));
   p.released = false;

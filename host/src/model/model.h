@@ -115,7 +115,9 @@ class Model {
   cai_tensor BufferData(uint32_t index);
 
   // Storage; see the header comment. `storage` must be contiguous with the parameter's numel,
-  // in fp32, bf16 or fp16; the caller keeps it alive until the next replacement. Gradient
+  // in fp32, bf16 or fp16; the caller keeps it alive until the next replacement (or release:
+  // replacing a released parameter with storage of its dtype refills the released storage in
+  // place, which autograd's saved views share). Gradient
   // storage must match the parameter's dtype and numel; gradients then accumulate into it
   // until ReleaseGrad or ZeroGrad(true).
   void ReplaceParamStorage(uint32_t index, const cai_tensor& storage);

@@ -29,6 +29,16 @@ inline void MaterializeStorage(const torch::Tensor& tensor, size_t nbytes) {
   storage->set_nbytes(nbytes);
 }
 
+// Points a released storage at caller memory (not owned, never freed here) that holds the
+// tensor's elements from `data` on, keeping the StorageImpl that the tensor and autograd's
+// saved views share: FSDP's all-gather straight into the parameters, without a copy.
+inline void RefillStorage(const torch::Tensor& tensor, void* data) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  const size_t before = static_cast<size_t>(tensor.storage_offset()) * tensor.element_size();
+  storage->set_data_ptr_noswap(c10::DataPtr(static_cast<char*>(data) - before, tensor.device()));
+  storage->set_nbytes(before + static_cast<size_t>(tensor.numel()) * tensor.element_size());
+}
+
 inline bool StorageReleased(const torch::Tensor& tensor) {
   return tensor.storage().nbytes() == 0 && tensor.numel() > 0;
 }

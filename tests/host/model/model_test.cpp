@@ -292,18 +292,20 @@ TEST(Gpt2, TiedEmbedding_ExposedOnceAndGetsGradientFromBothUses) {
 
 // ---- Storage -------------------------------------------------------------------------------
 
+// The parameters a GPT-2 unit reads: its own, and for the head the tied embedding.
+std::vector<uint32_t> ParamsUnitReads(const Model& m, uint32_t unit) {
+  cai_unit_info u = m.UnitInfo(unit);
+  std::vector<uint32_t> params(u.params, u.params + u.num_params);
+  if (unit == m.NumUnits() - 1) params.push_back(0);
+  return params;
+}
+
 // FSDP's pattern: every unit's parameters are released outside its forward and backward and
 // gathered (materialised and refilled from a saved copy) in the pre-hooks.
 TEST(Storage, ReleaseMaterializeRefillBetweenUses_GradientsEqualUnreleased) {
   auto reference = MakeZooModel(Gpt2Config(), 21), m = MakeZooModel(Gpt2Config(), 21);
   const auto saved = Weights(*m);
-  const uint32_t head = m->NumUnits() - 1;
-  auto used_by = [&](uint32_t unit) {
-    cai_unit_info u = m->UnitInfo(unit);
-    std::vector<uint32_t> params(u.params, u.params + u.num_params);
-    if (unit == head) params.push_back(0);  // the tied embedding
-    return params;
-  };
+  auto used_by = [&](uint32_t unit) { return ParamsUnitReads(*m, unit); };
   auto gather = [&](const cai_hook_event& e) {
     for (uint32_t i : used_by(e.unit)) {
       cai_tensor t = m->MaterializeParamStorage(i);
@@ -325,6 +327,45 @@ TEST(Storage, ReleaseMaterializeRefillBetweenUses_GradientsEqualUnreleased) {
   const double ref_loss =
       reference->ForwardBackward(batch.tokens.desc(), batch.targets.desc(), true);
   EXPECT_EQ(loss, ref_loss);
+  for (uint32_t i = 0; i < m->NumParams(); ++i) {
+    EXPECT_TRUE(m->ParamInfo(i).flags & CAI_PARAM_RELEASED) << i;
+    EXPECT_EQ(Floats(m->ParamGrad(i)), Floats(reference->ParamGrad(i))) << m->ParamInfo(i).name;
+  }
+}
+
+// The same pattern without a copy: each gather lands in a fresh buffer (another address every
+// time) that replaces the released storage. Backward reads the parameters through views saved
+// in forward (the transposed weights), so this holds only if the released storage is refilled
+// in place rather than swapped for a new one.
+TEST(Storage, ReplaceReleasedWithFreshBuffers_GradientsEqualUnreleased) {
+  auto reference = MakeZooModel(Gpt2Config(), 22), m = MakeZooModel(Gpt2Config(), 22);
+  const auto saved = Weights(*m);
+  auto used_by = [&](uint32_t unit) { return ParamsUnitReads(*m, unit); };
+  std::vector<std::vector<float>> gathered(m->NumParams());
+  std::vector<FlatView> views(m->NumParams());
+  auto gather = [&](const cai_hook_event& e) {
+    for (uint32_t i : used_by(e.unit)) {
+      std::vector<float> fresh(saved[i].size() + 16, -1.0f);  // never the previous address
+      std::copy(saved[i].begin(), saved[i].end(), fresh.begin() + 16);
+      gathered[i].swap(fresh);
+      m->ReplaceParamStorage(i, views[i].desc(gathered[i].data() + 16, int64_t(saved[i].size())));
+    }
+  };
+  auto release = [&](const cai_hook_event& e) {
+    for (uint32_t i : used_by(e.unit)) {
+      m->ReleaseParamStorage(i);
+      std::fill(gathered[i].begin(), gathered[i].end(), NAN);  // stale reads would show
+    }
+  };
+  m->AddHook(CAI_HOOK_PRE_FORWARD, -1, -1, gather);
+  m->AddHook(CAI_HOOK_POST_FORWARD, -1, -1, release);
+  m->AddHook(CAI_HOOK_PRE_BACKWARD, -1, -1, gather);
+  m->AddHook(CAI_HOOK_POST_BACKWARD, -1, -1, release);
+  for (uint32_t i = 0; i < m->NumParams(); ++i) m->ReleaseParamStorage(i);
+
+  Batch batch;
+  const double loss = m->ForwardBackward(batch.tokens.desc(), batch.targets.desc(), true);
+  EXPECT_EQ(loss, reference->ForwardBackward(batch.tokens.desc(), batch.targets.desc(), true));
   for (uint32_t i = 0; i < m->NumParams(); ++i) {
     EXPECT_TRUE(m->ParamInfo(i).flags & CAI_PARAM_RELEASED) << i;
     EXPECT_EQ(Floats(m->ParamGrad(i)), Floats(reference->ParamGrad(i))) << m->ParamInfo(i).name;

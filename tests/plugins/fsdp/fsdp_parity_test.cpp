@@ -104,8 +104,15 @@ RunResult Collect(const fs::path& dir, int status, const std::string& output_fil
   return r;
 }
 
+// Each test's runs in a folder of its own: ctest runs the tests of this binary in parallel
+// processes, each with its own reference runs.
+fs::path RunsDir() {
+  return fs::path(CAI_FSDP_TEST_RUNS) /
+         ::testing::UnitTest::GetInstance()->current_test_info()->name();
+}
+
 RunResult Train(const std::string& name, int nproc, const std::vector<std::string>& sets) {
-  const fs::path dir = fs::path(CAI_FSDP_TEST_RUNS) / name;
+  const fs::path dir = RunsDir() / name;
   fs::remove_all(dir);
   fs::create_directories(dir);
   std::ofstream(dir / "job.toml") << kBaseJob;
@@ -405,7 +412,7 @@ TEST(FsdpParity, Fsdp_SaveOnTwoRanksResumeOnThree_MatchesReference) {
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   RunResult first = Fsdp("resume", 2, "FULL_SHARD", {"optimizer.decay_steps=5", "train.steps=3"});
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  const fs::path dir = fs::path(CAI_FSDP_TEST_RUNS) / "resume_2";
+  const fs::path dir = RunsDir() / "resume_2";
   const std::string command =
       Command(dir, 3, {"optimizer.decay_steps=5", "plugin.name=fsdp", "checkpoint.resume=true"}) +
       " > '" + (dir / "resumed.txt").string() + "' 2>&1";

@@ -32,7 +32,6 @@
 #include <cai/sdk.hpp>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <optional>
 #include <string>
 #include <vector>
@@ -42,50 +41,18 @@
 namespace {
 
 using cai::sdk::Check;
+using cai::sdk::ElementSize;
 using cai::sdk::Error;
+using cai::sdk::FlatView;
 using cai::sdk::Host;
+using cai::sdk::ParamInfo;
+using cai::sdk::RunKernel;
+using cai::sdk::SameDtype;
 using Clock = std::chrono::steady_clock;
 
 constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
 constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
 constexpr cai_dtype kF16{CAI_DTYPE_FLOAT, 16, 1};
-
-// The unit stride of every flat view this plugin describes; never written through.
-int64_t kUnitStride = 1;
-
-bool SameDtype(cai_dtype a, cai_dtype b) { return a.code == b.code && a.bits == b.bits; }
-size_t ElementSize(cai_dtype d) { return d.bits / 8; }
-
-// A 1-D view of `numel` elements of `dtype` starting `offset` elements into `base`.
-// `numel` must outlive every use of the descriptor.
-cai_tensor FlatView(const cai::sdk::Buffer& base, cai_dtype dtype, size_t offset, int64_t* numel) {
-  cai_tensor whole{};
-  Check(Host().mempool->view(base.get(), dtype, &whole));
-  whole.data = static_cast<char*>(whole.data) + whole.byte_offset + offset * ElementSize(dtype);
-  whole.byte_offset = 0;
-  whole.shape = numel;
-  whole.strides = &kUnitStride;
-  return whole;
-}
-
-void Kernel(cai_mem_kernel_op op, const cai_tensor* x, const cai_tensor& y, double alpha,
-            double* result = nullptr) {
-  cai_mem_kernel_args args{};
-  args.struct_size = CAI_MEM_KERNEL_ARGS_STRUCT_SIZE;
-  args.op = op;
-  args.x = x;
-  args.y = &y;
-  args.alpha = alpha;
-  args.result = result;
-  Check(Host().mempool->kernel(&args));
-}
-
-cai_param_info ParamInfo(cai_model* model, uint32_t index) {
-  cai_param_info info{};
-  info.struct_size = CAI_PARAM_INFO_STRUCT_SIZE;
-  Check(Host().model->param_info(model, index, &info));
-  return info;
-}
 
 class Ddp {
  public:
@@ -140,17 +107,7 @@ class Ddp {
     find_unused_ = config.Bool("find_unused_parameters");
     bucket_view_ = config.Bool("gradient_as_bucket_view");
     static_graph_ = config.Bool("static_graph");
-    scaler_config_.struct_size = CAI_LOSS_SCALER_CONFIG_STRUCT_SIZE;
-    scaler_config_.initial_scale = config.Float("initial_scale");
-    scaler_config_.growth_factor = config.Float("growth_factor");
-    scaler_config_.backoff_factor = config.Float("backoff_factor");
-    scaler_config_.growth_interval = config.Int("growth_interval");
-    scaler_config_.hysteresis = config.Int("hysteresis");
-    scaler_config_.min_scale = config.Float("min_scale");
-    scaler_config_.max_scale = config.Float("max_scale");
-    if (scaler_config_.min_scale > scaler_config_.max_scale) {
-      throw Error(CAI_INVALID_ARGUMENT, "ddp: min_scale exceeds max_scale; lower min_scale");
-    }
+    scaler_config_ = cai::sdk::LossScalerConfig(config, kName);
   }
 
   ~Ddp() {
@@ -218,7 +175,7 @@ class Ddp {
       cai_tensor data{};
       Check(model.param_data(model_, s.param, &data));
       cai_tensor dst = SlotView(weights_, kF32, s);
-      Kernel(CAI_KERNEL_COPY, &data, dst, 0);
+      RunKernel(CAI_KERNEL_COPY, &data, dst, 0);
     }
     int64_t all = static_cast<int64_t>(numel_);
     cai_tensor flat = FlatView(weights_, kF32, 0, &all);
@@ -237,7 +194,7 @@ class Ddp {
       Check(model.set_compute_dtype(model_, compute_dtype_));
       lowp_ = Alloc(numel_ * 2, "ddp.param");
       cai_tensor lowp = FlatView(lowp_, compute_dtype_, 0, &all);
-      Kernel(CAI_KERNEL_COPY, &flat, lowp, 0);
+      RunKernel(CAI_KERNEL_COPY, &flat, lowp, 0);
     }
     const cai::sdk::Buffer& params = mixed ? lowp_ : weights_;
     for (Slot& s : slots_) {
@@ -342,11 +299,11 @@ class Ddp {
     for (Bucket& b : buckets_) {
       if (scaler_) {
         double ok = 0;
-        Kernel(CAI_KERNEL_ALL_FINITE, nullptr, b.view, 0, &ok);
+        RunKernel(CAI_KERNEL_ALL_FINITE, nullptr, b.view, 0, &ok);
         finite = finite && ok == 1.0;
       }
       double sq = 0;
-      Kernel(CAI_KERNEL_SUM_SQUARES, nullptr, b.view, 0, &sq);
+      RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, b.view, 0, &sq);
       sum_squares += sq;
     }
     result.loss_scale = scale;
@@ -387,7 +344,7 @@ class Ddp {
     for (Bucket& b : buckets_) b.work = cai::sdk::Work();
     if (bucket_view_) {
       int64_t all = static_cast<int64_t>(numel_);
-      Kernel(CAI_KERNEL_FILL, nullptr, FlatView(grads_, compute_dtype_, 0, &all), 0);
+      RunKernel(CAI_KERNEL_FILL, nullptr, FlatView(grads_, compute_dtype_, 0, &all), 0);
     } else {
       // PyTorch's default (set_to_none): the next backward allocates them afresh.
       Check(Host().model->zero_grad(model_, true));
@@ -420,7 +377,7 @@ class Ddp {
         fp32.data = tmp.data();
         fp32.dtype = kF32;
         fp32.byte_offset = 0;
-        Kernel(CAI_KERNEL_COPY, &data, fp32, 0);
+        RunKernel(CAI_KERNEL_COPY, &data, fp32, 0);
         Check(ckpt.write_tensor(args.checkpoint, ("model/" + Name(index)).c_str(), &fp32));
       });
     }
@@ -433,16 +390,7 @@ class Ddp {
         }
       }
       Check(ckpt.write_meta(args.checkpoint, "ddp.step", std::to_string(step_).c_str()));
-      if (scaler_) {
-        cai_loss_scaler_state state{};
-        state.struct_size = CAI_LOSS_SCALER_STATE_STRUCT_SIZE;
-        Check(Host().optimizer->loss_scaler_get_state(scaler_->get(), &state));
-        char text[128];
-        std::snprintf(text, sizeof text, "%.17g %lld %lld", state.scale,
-                      static_cast<long long>(state.clean_steps),
-                      static_cast<long long>(state.overflows_left));
-        Check(ckpt.write_meta(args.checkpoint, "ddp.loss_scaler", text));
-      }
+      if (scaler_) cai::sdk::SaveLossScalerState(*scaler_, args.checkpoint, "ddp.loss_scaler");
     }
   }
 
@@ -456,7 +404,7 @@ class Ddp {
       if (precision_ != CAI_PRECISION_FP32) {  // the 16-bit parameters follow the masters
         int64_t all = static_cast<int64_t>(numel_);
         cai_tensor master = FlatView(weights_, kF32, 0, &all);
-        Kernel(CAI_KERNEL_COPY, &master, FlatView(lowp_, compute_dtype_, 0, &all), 0);
+        RunKernel(CAI_KERNEL_COPY, &master, FlatView(lowp_, compute_dtype_, 0, &all), 0);
       }
       ForEachFrozen([&](uint32_t index, const cai_tensor& data) {
         Check(ckpt.read_tensor(args.checkpoint, ("model/" + Name(index)).c_str(), 0, 0, &data));
@@ -474,20 +422,7 @@ class Ddp {
       const char* step = nullptr;
       Check(ckpt.read_meta(args.checkpoint, "ddp.step", &step));
       step_ = std::stoll(step);
-      if (scaler_) {
-        const char* text = nullptr;
-        Check(ckpt.read_meta(args.checkpoint, "ddp.loss_scaler", &text));
-        cai_loss_scaler_state state{};
-        state.struct_size = CAI_LOSS_SCALER_STATE_STRUCT_SIZE;
-        long long clean = 0, left = 0;
-        if (std::sscanf(text, "%lf %lld %lld", &state.scale, &clean, &left) != 3) {
-          throw Error(CAI_DATA_LOSS, std::string("ddp: checkpoint meta ddp.loss_scaler is '") +
-                                         text + "', expected 'scale clean_steps overflows_left'");
-        }
-        state.clean_steps = clean;
-        state.overflows_left = left;
-        Check(Host().optimizer->loss_scaler_set_state(scaler_->get(), &state));
-      }
+      if (scaler_) cai::sdk::LoadLossScalerState(*scaler_, args.checkpoint, "ddp.loss_scaler");
     }
   }
 
@@ -639,9 +574,9 @@ class Ddp {
       cai_status* missing = Host().model->param_grad(model_, s.param, &grad);
       if (missing) {
         Host().status_destroy(missing);
-        Kernel(CAI_KERNEL_FILL, nullptr, dst, 0);
+        RunKernel(CAI_KERNEL_FILL, nullptr, dst, 0);
       } else {
-        Kernel(CAI_KERNEL_COPY, &grad, dst, 0);
+        RunKernel(CAI_KERNEL_COPY, &grad, dst, 0);
       }
     }
     ready_[slot] = 1;
@@ -721,7 +656,7 @@ class Ddp {
         continue;
       }
       cai_tensor src = SlotView(grads_, compute_dtype_, s);
-      Kernel(CAI_KERNEL_COPY, &src, grad, 0);
+      RunKernel(CAI_KERNEL_COPY, &src, grad, 0);
     }
   }
 

@@ -40,7 +40,6 @@
 #include <algorithm>
 #include <cai/sdk.hpp>
 #include <cmath>
-#include <cstdio>
 #include <deque>
 #include <optional>
 #include <string>
@@ -50,8 +49,13 @@ namespace {
 
 using cai::sdk::Buffer;
 using cai::sdk::Check;
+using cai::sdk::ElementSize;
 using cai::sdk::Error;
+using cai::sdk::FlatView;
 using cai::sdk::Host;
+using cai::sdk::ParamInfo;
+using cai::sdk::RunKernel;
+using cai::sdk::SameDtype;
 
 constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
 constexpr cai_dtype kF64{CAI_DTYPE_FLOAT, 64, 1};
@@ -62,43 +66,6 @@ constexpr cai_dtype kF16{CAI_DTYPE_FLOAT, 16, 1};
 // waited for before a further one starts, so gradient memory stays bounded by
 // kMaxInFlight buckets plus the shard.
 constexpr size_t kMaxInFlight = 2;
-
-// The unit stride of every flat view this plugin describes; never written through.
-int64_t kUnitStride = 1;
-
-bool SameDtype(cai_dtype a, cai_dtype b) { return a.code == b.code && a.bits == b.bits; }
-size_t ElementSize(cai_dtype d) { return d.bits / 8; }
-
-// A 1-D view of `*numel` elements of `dtype` starting `offset` elements into `base`. `numel`
-// must outlive every use of the descriptor.
-cai_tensor FlatView(const Buffer& base, cai_dtype dtype, size_t offset, int64_t* numel) {
-  cai_tensor whole{};
-  Check(Host().mempool->view(base.get(), dtype, &whole));
-  whole.data = static_cast<char*>(whole.data) + whole.byte_offset + offset * ElementSize(dtype);
-  whole.byte_offset = 0;
-  whole.shape = numel;
-  whole.strides = &kUnitStride;
-  return whole;
-}
-
-void Kernel(cai_mem_kernel_op op, const cai_tensor* x, const cai_tensor& y, double alpha,
-            double* result = nullptr) {
-  cai_mem_kernel_args args{};
-  args.struct_size = CAI_MEM_KERNEL_ARGS_STRUCT_SIZE;
-  args.op = op;
-  args.x = x;
-  args.y = &y;
-  args.alpha = alpha;
-  args.result = result;
-  Check(Host().mempool->kernel(&args));
-}
-
-cai_param_info ParamInfo(cai_model* model, uint32_t index) {
-  cai_param_info info{};
-  info.struct_size = CAI_PARAM_INFO_STRUCT_SIZE;
-  Check(Host().model->param_info(model, index, &info));
-  return info;
-}
 
 cai::sdk::Work Collective(cai_comm_op op, const cai_tensor* input, const cai_tensor& output,
                           bool async, cai_reduce_op reduce = CAI_REDUCE_SUM) {
@@ -196,24 +163,7 @@ class LowLevelZero {
     offload_ = config.Bool("cpu_offload");
     master_weights_ = config.Bool("master_weights");
     max_norm_ = config.Float("max_norm");
-    scaler_config_.struct_size = CAI_LOSS_SCALER_CONFIG_STRUCT_SIZE;
-    scaler_config_.initial_scale = config.Float("initial_scale");
-    scaler_config_.growth_factor = config.Float("growth_factor");
-    scaler_config_.backoff_factor = config.Float("backoff_factor");
-    scaler_config_.growth_interval = config.Int("growth_interval");
-    scaler_config_.hysteresis = config.Int("hysteresis");
-    scaler_config_.min_scale = config.Float("min_scale");
-    scaler_config_.max_scale = config.Float("max_scale");
-    if (scaler_config_.min_scale > scaler_config_.max_scale) {
-      throw Error(CAI_INVALID_ARGUMENT,
-                  "low_level_zero: min_scale exceeds max_scale; lower min_scale");
-    }
-    if (scaler_config_.initial_scale > scaler_config_.max_scale ||
-        scaler_config_.initial_scale < scaler_config_.min_scale) {
-      throw Error(CAI_INVALID_ARGUMENT,
-                  "low_level_zero: initial_scale lies outside [min_scale, max_scale]; "
-                  "change one of the three");
-    }
+    scaler_config_ = cai::sdk::LossScalerConfig(config, kName);
     if (offload_ && !master_weights_) {
       throw Error(CAI_INVALID_ARGUMENT,
                   "low_level_zero: cpu_offload keeps fp32 master weights on the host; it "
@@ -285,14 +235,14 @@ class LowLevelZero {
       for (const Segment& g : segments_) {
         cai_tensor data{};
         Check(model.param_data(model_, slots_[g.slot].param, &data));
-        int64_t n = static_cast<int64_t>(g.numel);
-        cai_tensor src = data;
+        int64_t n = static_cast<int64_t>(g.numel), unit = 1;
+        cai_tensor src = data;  // parameters are contiguous at boost
         src.data = static_cast<char*>(data.data) + data.byte_offset + g.param_offset * 4;
         src.byte_offset = 0;
         src.ndim = 1;
         src.shape = &n;
-        src.strides = &kUnitStride;
-        Kernel(CAI_KERNEL_COPY, &src, FlatView(master_, kF32, g.shard_offset, &n), 0);
+        src.strides = &unit;
+        RunKernel(CAI_KERNEL_COPY, &src, FlatView(master_, kF32, g.shard_offset, &n), 0);
       }
     }
 
@@ -303,7 +253,7 @@ class LowLevelZero {
       cai_tensor data{};
       Check(model.param_data(model_, s.param, &data));
       cai_tensor view = SlotView(params_, compute_dtype_, s);
-      Kernel(CAI_KERNEL_COPY, &data, view, 0);
+      RunKernel(CAI_KERNEL_COPY, &data, view, 0);
       Check(model.replace_param_storage(model_, s.param, &view));
     }
 
@@ -332,7 +282,7 @@ class LowLevelZero {
             Alloc(CAI_MEM_PINNED_HOST, shard_ * ElementSize(compute_dtype_), "zero.offload_param");
         int64_t n = static_cast<int64_t>(shard_);
         cai_tensor master = FlatView(master_, kF32, 0, &n);
-        Kernel(CAI_KERNEL_COPY, &master, FlatView(pinned_param_, compute_dtype_, 0, &n), 0);
+        RunKernel(CAI_KERNEL_COPY, &master, FlatView(pinned_param_, compute_dtype_, 0, &n), 0);
       }
     }
     if (precision_ == CAI_PRECISION_FP16) scaler_.emplace(scaler_config_);
@@ -369,15 +319,8 @@ class LowLevelZero {
     const bool sync = stage_ == 2 || !no_sync_;
     if (sync) BeginReduction();
     in_sync_backward_ = sync;
-    cai_forward_backward_args args{};
-    args.struct_size = CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE;
-    args.tokens = batch.tokens;
-    args.targets = batch.targets;
-    args.backward = true;
-    args.loss_scale = scaler_ ? scaler_->scale() : 1.0;
-    args.loss_weight = batch.loss_weight;
-    args.loss = batch.loss;
-    cai_status* status = Host().model->forward_backward(model_, &args);
+    cai_status* status = cai::sdk::Guard(
+        [&] { cai::sdk::RunMicroBatch(model_, batch, true, scaler_ ? scaler_->scale() : 1.0); });
     in_sync_backward_ = false;
     Check(status);
     if (sync) {
@@ -390,13 +333,7 @@ class LowLevelZero {
   void Evaluate(const cai_micro_batch& batch) {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "low_level_zero: evaluate before boost");
     WaitGathers();
-    cai_forward_backward_args args{};
-    args.struct_size = CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE;
-    args.tokens = batch.tokens;
-    args.targets = batch.targets;
-    args.backward = false;
-    args.loss = batch.loss;
-    Check(Host().model->forward_backward(model_, &args));
+    cai::sdk::RunMicroBatch(model_, batch, false);
   }
 
   void Step(cai_step_result& result) {
@@ -413,10 +350,10 @@ class LowLevelZero {
     std::vector<double> agreed(2 + slots_.size());
     int64_t n = static_cast<int64_t>(shard_);
     const cai_tensor grads = FlatView(grad_shard_, shard_grad_dtype_, 0, &n);
-    Kernel(CAI_KERNEL_SUM_SQUARES, nullptr, grads, 0, &agreed[0]);
+    RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, grads, 0, &agreed[0]);
     if (scaler_) {
       double ok = 0;
-      Kernel(CAI_KERNEL_ALL_FINITE, nullptr, grads, 0, &ok);
+      RunKernel(CAI_KERNEL_ALL_FINITE, nullptr, grads, 0, &ok);
       agreed[1] = ok == 1.0 ? 0 : 1;
     }
     for (size_t s = 0; s < slots_.size(); ++s) agreed[2 + s] = local_used_[s];
@@ -466,7 +403,7 @@ class LowLevelZero {
     // Gradients accumulated under no_sync and never stepped are dropped as asked.
     if (stage_ == 1 && unreduced_) {
       int64_t n = static_cast<int64_t>(total_);
-      Kernel(CAI_KERNEL_FILL, nullptr, FlatView(full_grads_, compute_dtype_, 0, &n), 0);
+      RunKernel(CAI_KERNEL_FILL, nullptr, FlatView(full_grads_, compute_dtype_, 0, &n), 0);
     }
     if (stage_ == 2) Check(Host().model->zero_grad(model_, true));
     std::fill(local_used_.begin(), local_used_.end(), 0);
@@ -507,7 +444,7 @@ class LowLevelZero {
           fp32.data = tmp.data();
           fp32.dtype = kF32;
           fp32.byte_offset = 0;
-          Kernel(CAI_KERNEL_COPY, &data, fp32, 0);
+          RunKernel(CAI_KERNEL_COPY, &data, fp32, 0);
           Check(ckpt.write_tensor(args.checkpoint, ("model/" + Name(index)).c_str(), &fp32));
         });
       }
@@ -530,14 +467,7 @@ class LowLevelZero {
         Check(
             ckpt.write_meta(args.checkpoint, "low_level_zero.step", std::to_string(step_).c_str()));
         if (scaler_) {
-          cai_loss_scaler_state state{};
-          state.struct_size = CAI_LOSS_SCALER_STATE_STRUCT_SIZE;
-          Check(Host().optimizer->loss_scaler_get_state(scaler_->get(), &state));
-          char text[128];
-          std::snprintf(text, sizeof text, "%.17g %lld %lld", state.scale,
-                        static_cast<long long>(state.clean_steps),
-                        static_cast<long long>(state.overflows_left));
-          Check(ckpt.write_meta(args.checkpoint, "low_level_zero.loss_scaler", text));
+          cai::sdk::SaveLossScalerState(*scaler_, args.checkpoint, "low_level_zero.loss_scaler");
         }
       }
     }
@@ -563,7 +493,7 @@ class LowLevelZero {
         if (pinned_param_.get()) {
           int64_t n = static_cast<int64_t>(shard_);
           cai_tensor master = FlatView(master_, kF32, 0, &n);
-          Kernel(CAI_KERNEL_COPY, &master, FlatView(pinned_param_, compute_dtype_, 0, &n), 0);
+          RunKernel(CAI_KERNEL_COPY, &master, FlatView(pinned_param_, compute_dtype_, 0, &n), 0);
         }
       }
       ForEachFrozen([&](uint32_t index, const cai_tensor& data) {
@@ -585,20 +515,7 @@ class LowLevelZero {
       Check(ckpt.read_meta(args.checkpoint, "low_level_zero.step", &step));
       step_ = std::stoll(step);
       if (scaler_) {
-        const char* text = nullptr;
-        Check(ckpt.read_meta(args.checkpoint, "low_level_zero.loss_scaler", &text));
-        cai_loss_scaler_state state{};
-        state.struct_size = CAI_LOSS_SCALER_STATE_STRUCT_SIZE;
-        long long clean = 0, left = 0;
-        if (std::sscanf(text, "%lf %lld %lld", &state.scale, &clean, &left) != 3) {
-          throw Error(CAI_DATA_LOSS,
-                      std::string("low_level_zero: checkpoint meta low_level_zero.loss_scaler "
-                                  "is '") +
-                          text + "', expected 'scale clean_steps overflows_left'");
-        }
-        state.clean_steps = clean;
-        state.overflows_left = left;
-        Check(Host().optimizer->loss_scaler_set_state(scaler_->get(), &state));
+        cai::sdk::LoadLossScalerState(*scaler_, args.checkpoint, "low_level_zero.loss_scaler");
       }
     }
   }
@@ -796,8 +713,8 @@ class LowLevelZero {
         Host().status_destroy(missing);
       } else {
         int64_t n = s.numel;
-        Kernel(CAI_KERNEL_COPY, &grad,
-               FlatView(staging, comm_dtype_, s.offset - buckets_[s.bucket].offset, &n), 0);
+        RunKernel(CAI_KERNEL_COPY, &grad,
+                  FlatView(staging, comm_dtype_, s.offset - buckets_[s.bucket].offset, &n), 0);
         Check(Host().model->release_grad(model_, s.param));
       }
     }
@@ -824,7 +741,7 @@ class LowLevelZero {
       f.staging = Alloc(CAI_MEM_DEVICE, bucket.chunk * world_size_ * ElementSize(comm_dtype_),
                         "zero.bucket");
       cai_tensor full = FlatView(full_grads_, compute_dtype_, bucket.offset, &whole);
-      Kernel(CAI_KERNEL_COPY, &full, FlatView(f.staging, comm_dtype_, 0, &whole), 0);
+      RunKernel(CAI_KERNEL_COPY, &full, FlatView(f.staging, comm_dtype_, 0, &whole), 0);
     }
     const cai_tensor input = f.staging.get()
                                  ? FlatView(f.staging, comm_dtype_, 0, &whole)
@@ -851,7 +768,7 @@ class LowLevelZero {
       int64_t chunk = static_cast<int64_t>(bucket.chunk);
       cai_tensor out = FlatView(f.out, comm_dtype_, 0, &chunk);
       cai_tensor shard = FlatView(grad_shard_, shard_grad_dtype_, bucket.shard_offset, &chunk);
-      Kernel(f.accumulate ? CAI_KERNEL_AXPY : CAI_KERNEL_COPY, &out, shard, 1.0);
+      RunKernel(f.accumulate ? CAI_KERNEL_AXPY : CAI_KERNEL_COPY, &out, shard, 1.0);
     }
     flights_.pop_front();
   }
@@ -872,7 +789,7 @@ class LowLevelZero {
     while (!flights_.empty()) Complete();
     if (stage_ == 1) {
       int64_t n = static_cast<int64_t>(total_);
-      Kernel(CAI_KERNEL_FILL, nullptr, FlatView(full_grads_, compute_dtype_, 0, &n), 0);
+      RunKernel(CAI_KERNEL_FILL, nullptr, FlatView(full_grads_, compute_dtype_, 0, &n), 0);
     }
     unreduced_ = false;
     ++reductions_;
@@ -891,7 +808,7 @@ class LowLevelZero {
       transient = Alloc(CAI_MEM_DEVICE, bucket.chunk * 4, "zero.transient_master");
       int64_t c = static_cast<int64_t>(bucket.chunk);
       cai_tensor lowp = FlatView(params_, compute_dtype_, chunk_start, &c);
-      Kernel(CAI_KERNEL_COPY, &lowp, FlatView(transient, kF32, 0, &c), 0);
+      RunKernel(CAI_KERNEL_COPY, &lowp, FlatView(transient, kF32, 0, &c), 0);
     }
     for (size_t i = 0; i < segments_.size();) {
       if (segments_[i].bucket != b || !update_[segments_[i].slot]) {
@@ -991,7 +908,7 @@ class LowLevelZero {
     if (!SameDtype(dtype, kF32)) {
       fp32 = Alloc(CAI_MEM_DEVICE, static_cast<size_t>(n) * 4, "zero.checkpoint");
       cai_tensor converted = FlatView(fp32, kF32, 0, &n);
-      Kernel(CAI_KERNEL_COPY, &t, converted, 0);
+      RunKernel(CAI_KERNEL_COPY, &t, converted, 0);
       t = converted;
     }
     t.ndim = static_cast<int32_t>(s.shape.size());

@@ -363,7 +363,7 @@ TEST(LowLevelZero, BadConfig_FailsWithAClearError) {
       {{"communication_dtype=\"int8\""}, {}, {"communication_dtype", "bf16"}},
       {{"cpu_offload=true", "master_weights=false"}, {}, {"master_weights = false"}},
       {{"max_norm=1.0"}, {}, {"max_norm", "optimizer.max_grad_norm", "set only one"}},
-      {{"min_scale=8", "max_scale=4"}, {}, {"min_scale exceeds max_scale"}},
+      {{"min_scale=8", "max_scale=4"}, {}, {"min_scale 8", "exceeds max_scale 4"}},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const TrainRun run = Zero("bad" + std::to_string(i), 1, cases[i].options, cases[i].sets);

@@ -46,6 +46,7 @@ using cai::sdk::Error;
 using cai::sdk::FlatView;
 using cai::sdk::Host;
 using cai::sdk::ParamInfo;
+using cai::sdk::RunCollective;
 using cai::sdk::RunKernel;
 using cai::sdk::SameDtype;
 using Clock = std::chrono::steady_clock;
@@ -179,12 +180,12 @@ class Ddp {
     }
     int64_t all = static_cast<int64_t>(numel_);
     cai_tensor flat = FlatView(weights_, kF32, 0, &all);
-    Collective(CAI_COMM_BROADCAST, flat, /*async=*/false);
+    RunCollective(CAI_COMM_BROADCAST, nullptr, flat, /*async=*/false);
     for (uint32_t i = 0; i < num_params; ++i) {  // frozen parameters must agree as well
       if (slot_of_param_[i] >= 0 || ParamInfo(model_, i).tied_to >= 0) continue;
       cai_tensor data{};
       Check(model.param_data(model_, i, &data));
-      Collective(CAI_COMM_BROADCAST, data, false);
+      RunCollective(CAI_COMM_BROADCAST, nullptr, data, false);
     }
     BroadcastBuffers();
 
@@ -211,27 +212,14 @@ class Ddp {
     }
     for (Bucket& b : buckets_) b.view = FlatView(grads_, compute_dtype_, b.offset, &b.numel);
 
-    uint32_t slots = 0;
-    for (uint32_t g = 0; g < Host().optimizer->num_groups(optimizer_); ++g) {
-      cai_optim_group_info group{};
-      group.struct_size = CAI_OPTIM_GROUP_INFO_STRUCT_SIZE;
-      Check(Host().optimizer->group_info(optimizer_, g, &group));
-      slots = std::max(slots, group.state_slots);
-    }
+    const uint32_t slots = cai::sdk::MaxStateSlots(optimizer_);
     for (uint32_t k = 0; k < slots; ++k) state_.push_back(Alloc(numel_ * 4, "ddp.optim_state"));
     if (precision_ == CAI_PRECISION_FP16) scaler_.emplace(scaler_config_);
 
     local_used_.assign(slots_.size(), 0);
     ready_.assign(slots_.size(), 0);
     update_.assign(slots_.size(), 1);
-    cai_hook_args hook{};
-    hook.struct_size = CAI_HOOK_ARGS_STRUCT_SIZE;
-    hook.kind = CAI_HOOK_GRAD_READY;
-    hook.unit = -1;
-    hook.param = -1;
-    hook.fn = &Ddp::OnGradReadyHook;
-    hook.user_data = this;
-    Check(model.register_hook(model_, &hook, &hook_id_));
+    hook_id_ = cai::sdk::OnEveryGradReady(model_, &Ddp::OnGradReadyHook, this);
 
     std::string sizes;
     for (const Bucket& b : buckets_) {
@@ -361,24 +349,12 @@ class Ddp {
     const auto& ckpt = *Host().checkpoint;
     if (args.model) {
       for (const Slot& s : slots_) {
-        cai_tensor t = SlotView(weights_, kF32, s);
-        t.ndim = static_cast<int32_t>(s.shape.size());
-        t.shape = const_cast<int64_t*>(s.shape.data());
-        std::vector<int64_t> strides(s.shape.size(), 1);
-        for (size_t d = s.shape.size(); d-- > 1;) strides[d - 1] = strides[d] * s.shape[d];
-        t.strides = strides.data();
-        Check(ckpt.write_tensor(args.checkpoint, ("model/" + Name(s.param)).c_str(), &t));
+        cai::sdk::WriteAsFp32(args.checkpoint, "model/" + Name(s.param),
+                              SlotView(weights_, kF32, s), s.shape);
       }
       ForEachFrozen([&](uint32_t index, const cai_tensor& data) {
         // Frozen weights are model state too; fp32 as the layout says, whatever they compute in.
-        cai::sdk::Buffer tmp =
-            Alloc(static_cast<size_t>(ParamInfo(model_, index).numel) * 4, "ddp.checkpoint");
-        cai_tensor fp32 = data;
-        fp32.data = tmp.data();
-        fp32.dtype = kF32;
-        fp32.byte_offset = 0;
-        RunKernel(CAI_KERNEL_COPY, &data, fp32, 0);
-        Check(ckpt.write_tensor(args.checkpoint, ("model/" + Name(index)).c_str(), &fp32));
+        cai::sdk::WriteAsFp32(args.checkpoint, "model/" + Name(index), data);
       });
     }
     if (args.optimizer) {
@@ -490,12 +466,7 @@ class Ddp {
     return FlatView(base, dtype, s.offset, const_cast<int64_t*>(&s.numel));
   }
   std::string Name(uint32_t index) const { return ParamInfo(model_, index).name; }
-  size_t StateSlots(uint32_t group) const {
-    cai_optim_group_info info{};
-    info.struct_size = CAI_OPTIM_GROUP_INFO_STRUCT_SIZE;
-    Check(Host().optimizer->group_info(optimizer_, group, &info));
-    return info.state_slots;
-  }
+  size_t StateSlots(uint32_t group) const { return cai::sdk::StateSlots(optimizer_, group); }
   template <class F>
   void ForEachFrozen(F&& fn) {
     for (uint32_t i = 0; i < slot_of_param_.size(); ++i) {
@@ -506,26 +477,12 @@ class Ddp {
     }
   }
 
-  cai::sdk::Work Collective(cai_comm_op op, const cai_tensor& tensor, bool async,
-                            cai_reduce_op reduce = CAI_REDUCE_SUM) {
-    cai_comm_args args{};
-    args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-    args.op = op;
-    args.reduce_op = reduce;
-    args.output = &tensor;
-    args.root = 0;
-    args.async = async;
-    cai_comm_work* work = nullptr;
-    Check(Host().comm->run(&args, async ? &work : nullptr));
-    return cai::sdk::Work(work);
-  }
-
   void BroadcastBuffers() {
     const auto& model = *Host().model;
     for (uint32_t i = 0; i < model.num_buffers(model_); ++i) {
       cai_tensor data{};
       Check(model.buffer_data(model_, i, &data));
-      Collective(CAI_COMM_BROADCAST, data, false);
+      RunCollective(CAI_COMM_BROADCAST, nullptr, data, false);
     }
   }
 
@@ -588,7 +545,7 @@ class Ddp {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
       Bucket& b = buckets_[next_launch_++];
       if (!launch_time_) launch_time_ = Clock::now();
-      b.work = Collective(CAI_COMM_ALL_REDUCE, b.view, /*async=*/true);
+      b.work = RunCollective(CAI_COMM_ALL_REDUCE, nullptr, b.view, /*async=*/true);
       b.launched = true;
     }
   }
@@ -634,8 +591,8 @@ class Ddp {
     cai::sdk::Buffer used = Alloc(slots_.size(), "ddp.used");
     Check(Host().mempool->copy(used.data(), local_used_.data(), slots_.size(), nullptr));
     int64_t n = static_cast<int64_t>(slots_.size());
-    Collective(CAI_COMM_ALL_REDUCE, FlatView(used, {CAI_DTYPE_UINT, 8, 1}, 0, &n), false,
-               CAI_REDUCE_MAX);
+    RunCollective(CAI_COMM_ALL_REDUCE, nullptr, FlatView(used, {CAI_DTYPE_UINT, 8, 1}, 0, &n),
+                  false, CAI_REDUCE_MAX);
     Check(Host().mempool->copy(update_.data(), used.data(), slots_.size(), nullptr));
     if (static_graph_) {
       for (size_t s = 0; s < slots_.size(); ++s) {

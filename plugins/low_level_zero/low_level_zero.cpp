@@ -54,6 +54,7 @@ using cai::sdk::Error;
 using cai::sdk::FlatView;
 using cai::sdk::Host;
 using cai::sdk::ParamInfo;
+using cai::sdk::RunCollective;
 using cai::sdk::RunKernel;
 using cai::sdk::SameDtype;
 
@@ -66,21 +67,6 @@ constexpr cai_dtype kF16{CAI_DTYPE_FLOAT, 16, 1};
 // waited for before a further one starts, so gradient memory stays bounded by
 // kMaxInFlight buckets plus the shard.
 constexpr size_t kMaxInFlight = 2;
-
-cai::sdk::Work Collective(cai_comm_op op, const cai_tensor* input, const cai_tensor& output,
-                          bool async, cai_reduce_op reduce = CAI_REDUCE_SUM) {
-  cai_comm_args args{};
-  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-  args.op = op;
-  args.reduce_op = reduce;
-  args.input = input;
-  args.output = &output;
-  args.root = 0;
-  args.async = async;
-  cai_comm_work* work = nullptr;
-  Check(Host().comm->run(&args, async ? &work : nullptr));
-  return cai::sdk::Work(work);
-}
 
 class LowLevelZero {
  public:
@@ -217,12 +203,12 @@ class LowLevelZero {
       }
       cai_tensor data{};
       Check(model.param_data(model_, i, &data));
-      Collective(CAI_COMM_BROADCAST, nullptr, data, false);
+      RunCollective(CAI_COMM_BROADCAST, nullptr, data, false);
     }
     for (uint32_t i = 0; i < model.num_buffers(model_); ++i) {
       cai_tensor data{};
       Check(model.buffer_data(model_, i, &data));
-      Collective(CAI_COMM_BROADCAST, nullptr, data, false);
+      RunCollective(CAI_COMM_BROADCAST, nullptr, data, false);
     }
 
     PlanLayout();
@@ -266,10 +252,7 @@ class LowLevelZero {
     }
     grad_shard_ = Alloc(CAI_MEM_DEVICE, shard_ * ElementSize(shard_grad_dtype_), "zero.grad");
 
-    uint32_t slots = 0;
-    for (uint32_t g = 0; g < Host().optimizer->num_groups(optimizer_); ++g) {
-      slots = std::max(slots, StateSlots(g));
-    }
+    const uint32_t slots = cai::sdk::MaxStateSlots(optimizer_);
     for (uint32_t k = 0; k < slots; ++k) {
       state_.push_back(Alloc(state_tier, shard_ * 4, "zero.optim_state"));
     }
@@ -290,14 +273,7 @@ class LowLevelZero {
     local_used_.assign(slots_.size(), 0);
     ready_.assign(slots_.size(), 0);
     update_.assign(slots_.size(), 1);
-    cai_hook_args hook{};
-    hook.struct_size = CAI_HOOK_ARGS_STRUCT_SIZE;
-    hook.kind = CAI_HOOK_GRAD_READY;
-    hook.unit = -1;
-    hook.param = -1;
-    hook.fn = &LowLevelZero::OnGradReadyHook;
-    hook.user_data = this;
-    Check(model.register_hook(model_, &hook, &hook_id_));
+    hook_id_ = cai::sdk::OnEveryGradReady(model_, &LowLevelZero::OnGradReadyHook, this);
 
     cai::sdk::Log(CAI_LOG_INFO,
                   "low_level_zero: stage " + std::to_string(stage_) + ", " +
@@ -362,7 +338,7 @@ class LowLevelZero {
       Buffer wire = Alloc(CAI_MEM_DEVICE, agreed.size() * 8, "zero.control");
       Check(Host().mempool->copy(wire.data(), agreed.data(), wire.size(), nullptr));
       int64_t count = static_cast<int64_t>(agreed.size());
-      Collective(CAI_COMM_ALL_REDUCE, nullptr, FlatView(wire, kF64, 0, &count), false);
+      RunCollective(CAI_COMM_ALL_REDUCE, nullptr, FlatView(wire, kF64, 0, &count), false);
       Check(Host().mempool->copy(agreed.data(), wire.data(), wire.size(), nullptr));
     }
     const double scale = scaler_ ? scaler_->scale() : 1.0;
@@ -424,28 +400,19 @@ class LowLevelZero {
         ForEachGathered(master_, [&](const Buffer& full, size_t b) {
           for (size_t s = buckets_[b].first_slot; s < buckets_[b].end_slot; ++s) {
             if (writer)
-              WriteModelTensor(ckpt, args.checkpoint, full, kF32, buckets_[b].offset, slots_[s]);
+              WriteModelTensor(args.checkpoint, full, kF32, buckets_[b].offset, slots_[s]);
           }
         });
       } else if (writer) {
         // Without masters the full parameters are the weights (fp32, or the 16-bit values
         // master_weights = false trains).
         for (const Slot& s : slots_) {
-          WriteModelTensor(ckpt, args.checkpoint, params_, compute_dtype_, 0, s);
+          WriteModelTensor(args.checkpoint, params_, compute_dtype_, 0, s);
         }
       }
       if (writer) {
         ForEachFrozen([&](uint32_t index, const cai_tensor& data) {
-          // fp32 as the layout says, whatever the frozen weights compute in.
-          Buffer tmp =
-              Alloc(CAI_MEM_DEVICE, static_cast<size_t>(ParamInfo(model_, index).numel) * 4,
-                    "zero.checkpoint");
-          cai_tensor fp32 = data;
-          fp32.data = tmp.data();
-          fp32.dtype = kF32;
-          fp32.byte_offset = 0;
-          RunKernel(CAI_KERNEL_COPY, &data, fp32, 0);
-          Check(ckpt.write_tensor(args.checkpoint, ("model/" + Name(index)).c_str(), &fp32));
+          cai::sdk::WriteAsFp32(args.checkpoint, "model/" + Name(index), data);
         });
       }
     }
@@ -599,12 +566,7 @@ class LowLevelZero {
     return FlatView(base, dtype, s.offset, const_cast<int64_t*>(&s.numel));
   }
   std::string Name(uint32_t index) const { return ParamInfo(model_, index).name; }
-  uint32_t StateSlots(uint32_t group) const {
-    cai_optim_group_info info{};
-    info.struct_size = CAI_OPTIM_GROUP_INFO_STRUCT_SIZE;
-    Check(Host().optimizer->group_info(optimizer_, group, &info));
-    return info.state_slots;
-  }
+  uint32_t StateSlots(uint32_t group) const { return cai::sdk::StateSlots(optimizer_, group); }
   double ClipCoefficient(double norm) const {
     if (max_norm_ <= 0) return Host().optimizer->clip_coefficient(optimizer_, norm);
     return norm <= max_norm_ ? 1 : max_norm_ / (norm + 1e-6);  // the host's formula
@@ -753,7 +715,7 @@ class LowLevelZero {
       f.out = Alloc(CAI_MEM_DEVICE, bucket.chunk * ElementSize(comm_dtype_), "zero.bucket");
       output = FlatView(f.out, comm_dtype_, 0, &chunk);
     }
-    f.work = Collective(CAI_COMM_REDUCE_SCATTER, &input, output, overlap_comm_);
+    f.work = RunCollective(CAI_COMM_REDUCE_SCATTER, &input, output, overlap_comm_);
     flights_.push_back(std::move(f));
     // Bounded gradient memory: finish the oldest reduction before starting more.
     while (stage_ == 2 && flights_.size() > kMaxInFlight) Complete();
@@ -875,7 +837,7 @@ class LowLevelZero {
     const cai_tensor output = FlatView(params_, compute_dtype_, bucket.offset, &whole);
     const cai_tensor input = FlatView(
         params_, compute_dtype_, bucket.offset + static_cast<size_t>(rank_) * bucket.chunk, &chunk);
-    gathers_.push_back(Collective(CAI_COMM_ALL_GATHER, &input, output, overlap_gather_));
+    gathers_.push_back(RunCollective(CAI_COMM_ALL_GATHER, &input, output, overlap_gather_));
   }
 
   void WaitGathers() {
@@ -893,30 +855,18 @@ class LowLevelZero {
       int64_t whole = static_cast<int64_t>(bucket.chunk * world_size_);
       int64_t chunk = static_cast<int64_t>(bucket.chunk);
       const cai_tensor input = FlatView(shard, kF32, bucket.shard_offset, &chunk);
-      Collective(CAI_COMM_ALL_GATHER, &input, FlatView(full, kF32, 0, &whole), false);
+      RunCollective(CAI_COMM_ALL_GATHER, &input, FlatView(full, kF32, 0, &whole), false);
       fn(full, b);
     }
   }
 
-  // Writes slot s as fp32 from `base` (of `dtype`), whose element 0 is element `base_offset`
-  // of the full layout.
-  void WriteModelTensor(const cai_checkpoint_api& ckpt, cai_checkpoint* checkpoint,
-                        const Buffer& base, cai_dtype dtype, size_t base_offset, const Slot& s) {
+  // Writes slot s as fp32 in its shape from `base` (of `dtype`), whose element 0 is element
+  // `base_offset` of the full layout.
+  void WriteModelTensor(cai_checkpoint* checkpoint, const Buffer& base, cai_dtype dtype,
+                        size_t base_offset, const Slot& s) {
     int64_t n = s.numel;
-    cai_tensor t = FlatView(base, dtype, s.offset - base_offset, &n);
-    Buffer fp32;
-    if (!SameDtype(dtype, kF32)) {
-      fp32 = Alloc(CAI_MEM_DEVICE, static_cast<size_t>(n) * 4, "zero.checkpoint");
-      cai_tensor converted = FlatView(fp32, kF32, 0, &n);
-      RunKernel(CAI_KERNEL_COPY, &t, converted, 0);
-      t = converted;
-    }
-    t.ndim = static_cast<int32_t>(s.shape.size());
-    t.shape = const_cast<int64_t*>(s.shape.data());
-    std::vector<int64_t> strides(s.shape.size(), 1);
-    for (size_t d = s.shape.size(); d-- > 1;) strides[d - 1] = strides[d] * s.shape[d];
-    t.strides = strides.data();
-    Check(ckpt.write_tensor(checkpoint, ("model/" + s.name).c_str(), &t));
+    cai::sdk::WriteAsFp32(checkpoint, "model/" + s.name,
+                          FlatView(base, dtype, s.offset - base_offset, &n), s.shape);
   }
 
   const int32_t rank_;

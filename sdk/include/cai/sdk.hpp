@@ -5,8 +5,9 @@
 //    Guard() turns any exception back into a status at every entry point (none ever crosses);
 //  - RAII handles that release through the ABI (Buffer, Work, LossScaler);
 //  - typed config access (Config) and config-schema builders (BoolKey, IntKey, ...);
-//  - flat-buffer helpers (FlatView, RunKernel), ParamInfo and RunMicroBatch, and the standard
-//    loss-scaler keys and checkpoint state (LossScalerConfig, Save/LoadLossScalerState);
+//  - flat-buffer helpers (FlatView, RunKernel), ParamInfo, StateSlots, OnEveryGradReady,
+//    RunCollective, RunMicroBatch, WriteAsFp32, and the standard loss-scaler keys and
+//    checkpoint state (LossScalerConfig, Save/LoadLossScalerState);
 //  - CAI_PLUGIN(Class): defines cai_plugin_init_v1 with two-way version negotiation and the
 //    strategy table, with required and optional methods detected at compile time.
 //
@@ -26,6 +27,7 @@
 #ifndef CAI_SDK_HPP_
 #define CAI_SDK_HPP_
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <new>
@@ -34,6 +36,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "cai/abi.h"
 
@@ -274,6 +277,81 @@ inline cai_param_info ParamInfo(const cai_model* model, uint32_t index) {
   info.struct_size = CAI_PARAM_INFO_STRUCT_SIZE;
   Check(Host().model->param_info(model, index, &info));
   return info;
+}
+
+// The optimizer's fp32 state values per element of `group` (2 for Adam, 1 for SGD+momentum),
+// and the most of any group.
+inline uint32_t StateSlots(const cai_optimizer* optimizer, uint32_t group) {
+  cai_optim_group_info info{};
+  info.struct_size = CAI_OPTIM_GROUP_INFO_STRUCT_SIZE;
+  Check(Host().optimizer->group_info(optimizer, group, &info));
+  return info.state_slots;
+}
+inline uint32_t MaxStateSlots(const cai_optimizer* optimizer) {
+  uint32_t slots = 0;
+  for (uint32_t g = 0; g < Host().optimizer->num_groups(optimizer); ++g) {
+    slots = std::max(slots, StateSlots(optimizer, g));
+  }
+  return slots;
+}
+
+// Calls fn(user_data, event) whenever a trainable parameter's gradient is ready; returns the id
+// for cai_model_api.remove_hook.
+inline uint64_t OnEveryGradReady(cai_model* model, cai_hook_fn fn, void* user_data) {
+  cai_hook_args hook{};
+  hook.struct_size = CAI_HOOK_ARGS_STRUCT_SIZE;
+  hook.kind = CAI_HOOK_GRAD_READY;
+  hook.unit = -1;
+  hook.param = -1;
+  hook.fn = fn;
+  hook.user_data = user_data;
+  uint64_t id = 0;
+  Check(Host().model->register_hook(model, &hook, &id));
+  return id;
+}
+
+// One collective on the world group (see cai_comm_args; `input` NULL for the ops that take
+// none, root 0). With `async` the returned Work must be waited for before the buffers are
+// touched; without, it is empty and the collective has completed.
+inline Work RunCollective(cai_comm_op op, const cai_tensor* input, const cai_tensor& output,
+                          bool async, cai_reduce_op reduce = CAI_REDUCE_SUM) {
+  cai_comm_args args{};
+  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+  args.op = op;
+  args.reduce_op = reduce;
+  args.input = input;
+  args.output = &output;
+  args.async = async;
+  cai_comm_work* work = nullptr;
+  Check(Host().comm->run(&args, async ? &work : nullptr));
+  return Work(work);
+}
+
+// Writes contiguous `data` (fp32, bf16 or fp16) under `name` as fp32, the dtype of the
+// canonical checkpoint layout, described with `shape` when given (a flat view of a parameter
+// saved in the parameter's shape).
+inline void WriteAsFp32(cai_checkpoint* ckpt, const std::string& name, const cai_tensor& data,
+                        std::span<const int64_t> shape = {}) {
+  constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
+  cai_tensor t = data;
+  Buffer converted;
+  if (!SameDtype(data.dtype, kF32)) {
+    size_t numel = 1;
+    for (int32_t d = 0; d < data.ndim; ++d) numel *= static_cast<size_t>(data.shape[d]);
+    converted = Buffer::Alloc(CAI_MEM_DEVICE, std::max<size_t>(numel, 1) * 4, "checkpoint");
+    t.data = converted.data();
+    t.dtype = kF32;
+    t.byte_offset = 0;
+    RunKernel(CAI_KERNEL_COPY, &data, t);
+  }
+  std::vector<int64_t> strides(shape.size(), 1);
+  if (!shape.empty()) {
+    for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
+    t.ndim = static_cast<int32_t>(shape.size());
+    t.shape = const_cast<int64_t*>(shape.data());
+    t.strides = strides.data();
+  }
+  Check(Host().checkpoint->write_tensor(ckpt, name.c_str(), &t));
 }
 
 // One micro-batch through the whole model: forward and, with `backward`, backward of the loss

@@ -15,6 +15,36 @@ namespace cai::testing {
 
 namespace fs = std::filesystem;
 
+const char* const kTinyGptJob = R"(
+[model]
+kind = "gpt2"
+n_layer = 2
+n_head = 2
+n_embd = 32
+n_ctx = 32
+
+[optimizer]
+kind = "adamw"
+lr = 0.003
+weight_decay = 0.1
+no_decay_lr = 0.001
+no_decay_weight_decay = 0.01
+max_grad_norm = 0.05
+warmup_steps = 2
+
+[train]
+steps = 6
+global_batch = 6
+seq_len = 16
+seed = 7
+eval_every = 0
+eval_batches = 1
+threads = 1
+
+[checkpoint]
+at_end = true
+)";
+
 std::string ReadFile(const fs::path& path) {
   std::ifstream in(path);
   std::stringstream text;

@@ -9,6 +9,11 @@
 
 namespace cai::testing {
 
+// A tiny GPT-2 job (tied lm_head and wte): two parameter groups with different LR and weight
+// decay, clipping at a norm every step exceeds, warmup into cosine decay, 6 steps of a global
+// batch of 6, a checkpoint at the end.
+extern const char* const kTinyGptJob;
+
 struct TrainRun {
   int exit_code = -1;
   std::string output;          // stdout + stderr of `cai train`

@@ -21,43 +21,12 @@ namespace {
 
 namespace fs = std::filesystem;
 using cai::testing::ExpectMatches;
+using cai::testing::kTinyGptJob;
 using cai::testing::ModelElements;
 using cai::testing::ModelTensorNames;
 using cai::testing::PerRank;
 using cai::testing::ReadCheckpointTensor;
 using cai::testing::TrainRun;
-
-// A tiny GPT-2 (tied lm_head and wte) with two parameter groups (different LR and weight
-// decay), clipping at a norm every step exceeds, warmup into cosine decay, 6 steps of 6 rows.
-const char* const kBaseJob = R"(
-[model]
-kind = "gpt2"
-n_layer = 2
-n_head = 2
-n_embd = 32
-n_ctx = 32
-
-[optimizer]
-kind = "adamw"
-lr = 0.003
-weight_decay = 0.1
-no_decay_lr = 0.001
-no_decay_weight_decay = 0.01
-max_grad_norm = 0.05
-warmup_steps = 2
-
-[train]
-steps = 6
-global_batch = 6
-seq_len = 16
-seed = 7
-eval_every = 0
-eval_batches = 1
-threads = 1
-
-[checkpoint]
-at_end = true
-)";
 
 constexpr double kFp32Tolerance = 1e-5;
 
@@ -65,7 +34,7 @@ fs::path RunDir(const std::string& name) { return fs::path(CAI_ZERO_TEST_RUNS) /
 
 TrainRun Reference(const std::string& name, std::vector<std::string> sets) {
   sets.push_back("plugin.name=none");
-  return cai::testing::RunTrain(RunDir(name + "_ref"), kBaseJob, 1, sets, CAI_ZERO_MANIFEST);
+  return cai::testing::RunTrain(RunDir(name + "_ref"), kTinyGptJob, 1, sets, CAI_ZERO_MANIFEST);
 }
 
 // `options` are keys of [plugin.low_level_zero] ("stage=2").
@@ -73,7 +42,7 @@ TrainRun Zero(const std::string& name, int nproc, const std::vector<std::string>
               std::vector<std::string> sets = {}) {
   sets.push_back("plugin.name=low_level_zero");
   for (const std::string& o : options) sets.push_back("plugin.low_level_zero." + o);
-  return cai::testing::RunTrain(RunDir(name + "_zero" + std::to_string(nproc)), kBaseJob, nproc,
+  return cai::testing::RunTrain(RunDir(name + "_zero" + std::to_string(nproc)), kTinyGptJob, nproc,
                                 sets, CAI_ZERO_MANIFEST);
 }
 
@@ -270,7 +239,7 @@ TrainRun Resume(const std::string& name, int saved_nproc, int nproc,
                 std::vector<std::string> sets) {
   sets.push_back("plugin.name=low_level_zero");
   sets.push_back("checkpoint.resume=true");
-  return cai::testing::RunTrain(RunDir(name + "_zero" + std::to_string(saved_nproc)), kBaseJob,
+  return cai::testing::RunTrain(RunDir(name + "_zero" + std::to_string(saved_nproc)), kTinyGptJob,
                                 nproc, sets, CAI_ZERO_MANIFEST, /*resume=*/true, "resumed.txt");
 }
 

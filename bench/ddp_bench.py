@@ -64,23 +64,27 @@ log_every = 1000
 
 [checkpoint]
 at_end = false
-
-[plugin.ddp]
-bucket_cap_mb = 25
-gradient_as_bucket_view = {view}
 """
 
 
-def run_cai(build, args, work, index):
+def run_cai(build, args, work, index, plugin, table):
+    """Trains JOB plus `table` (the plugin's TOML table) with plugin `plugin` on 2 ranks;
+    returns summary.json."""
     job = work / "job.toml"
-    job.write_text(JOB.format(view=str(args.gradient_as_bucket_view).lower(), **vars(args)))
+    job.write_text(JOB.format(**vars(args)) + table)
     run_dir = work / f"cai-{index}"
     env = dict(environment(args),
-               CAI_PLUGIN_FILES=str(build / "lib" / "cai" / "plugins" / "ddp.toml"))
+               CAI_PLUGIN_FILES=str(build / "lib" / "cai" / "plugins" / f"{plugin}.toml"))
     subprocess.run([str(build / "bin" / "cai"), "train", str(job), "--nproc", "2", "--run-dir",
-                    str(run_dir), "--set", "plugin.name=ddp"], env=env, check=True,
+                    str(run_dir), "--set", f"plugin.name={plugin}"], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def run_ddp(build, args, work, index):
+    table = ("\n[plugin.ddp]\nbucket_cap_mb = 25\ngradient_as_bucket_view = "
+             f"{str(args.gradient_as_bucket_view).lower()}\n")
+    summary = run_cai(build, args, work, index, "ddp", table)
     ranks = summary["ranks"]
     return {"tokens_per_s": summary["tokens_per_s"],
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
@@ -105,21 +109,24 @@ def run_group(cmd, env, timeout=300):
     return out
 
 
-def run_peer(args):
-    env = environment(args)
-    cmd = ["/usr/bin/python3", str(HERE / "peers" / "ddp_gpt2_torch.py"), "--nproc", "2",
-           "--steps", str(args.steps), "--global-batch", str(args.global_batch),
-           "--seq-len", str(args.seq_len), "--n-ctx", str(args.n_ctx),
-           "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
-           "--n-embd", str(args.n_embd)]
-    if args.gradient_as_bucket_view:
-        cmd.append("--gradient-as-bucket-view")
-    # PyTorch 1.13's Gloo DDP now and then leaves one rank waiting forever in a collective
-    # after its peer exited (seen ~1 run in 10 on the loaded 2-core machine): such a run is
-    # killed and run again, and the retry is reported.
+def peer_command(args, script):
+    """The peer's command line with the job's sizes."""
+    return ["/usr/bin/python3", str(HERE / "peers" / script), "--nproc", "2",
+            "--steps", str(args.steps), "--global-batch", str(args.global_batch),
+            "--seq-len", str(args.seq_len), "--n-ctx", str(args.n_ctx),
+            "--n-layer", str(args.n_layer), "--n-head", str(args.n_head),
+            "--n-embd", str(args.n_embd)]
+
+
+def run_peer_command(args, cmd):
+    """Runs a peer; returns its JSON line with the largest rank's peak RSS.
+
+    PyTorch 1.13's Gloo DDP now and then leaves one rank waiting forever in a collective after
+    its peer exited (seen ~1 run in 10 on the loaded 2-core machine): such a run is killed and
+    run again, and the retry is reported."""
     for attempt in range(3):
         try:
-            out = run_group(cmd, env)
+            out = run_group(cmd, environment(args))
             break
         except subprocess.TimeoutExpired:
             print(f"  peer run {attempt + 1} hung for 300 s; killed, running it again",
@@ -131,9 +138,15 @@ def run_peer(args):
     return result
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("build", type=Path, help="build directory with bin/cai and libcai_ddp")
+def run_peer(args):
+    cmd = peer_command(args, "ddp_gpt2_torch.py")
+    if args.gradient_as_bucket_view:
+        cmd.append("--gradient-as-bucket-view")
+    return run_peer_command(args, cmd)
+
+
+def add_job_options(p):
+    """The job's sizes, shared with the peers' defaults."""
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--global-batch", dest="global_batch", type=int, default=16)
@@ -142,10 +155,16 @@ def main():
     p.add_argument("--n-layer", dest="n_layer", type=int, default=4)
     p.add_argument("--n-head", dest="n_head", type=int, default=4)
     p.add_argument("--n-embd", dest="n_embd", type=int, default=128)
-    p.add_argument("--gradient-as-bucket-view", dest="gradient_as_bucket_view",
-                   action="store_true", help="on both sides")
     p.add_argument("--malloc-tunables", dest="malloc_tunables", action="store_true",
                    help="the same GLIBC_TUNABLES on both sides: " + TUNABLES)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("build", type=Path, help="build directory with bin/cai and libcai_ddp")
+    add_job_options(p)
+    p.add_argument("--gradient-as-bucket-view", dest="gradient_as_bucket_view",
+                   action="store_true", help="on both sides")
     args = p.parse_args()
     speed, rss = [], []
     print(f"{'pair':>4} {'cai tok/s':>10} {'torch tok/s':>11} {'ratio':>6} "
@@ -153,7 +172,7 @@ def main():
           f"{'4Ψ B':>10}")
     with tempfile.TemporaryDirectory(prefix="ddp_bench_") as tmp:
         for i in range(args.pairs):
-            cai = run_cai(args.build.resolve(), args, Path(tmp), i)
+            cai = run_ddp(args.build.resolve(), args, Path(tmp), i)
             peer = run_peer(args)
             speed.append(cai["tokens_per_s"] / peer["tokens_per_s"])
             rss.append(cai["peak_rss_bytes"] / peer["peak_rss_bytes"])

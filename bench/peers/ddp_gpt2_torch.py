@@ -74,20 +74,25 @@ class Gpt2(nn.Module):
         return F.linear(self.ln_f(x), self.wte.weight)
 
 
-def rank_main(rank, args, port, results):
+def adamw(groups, args):
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def rank_main(rank, args, port, results, make_optimizer=adamw, peer="torch_ddp"):
+    """One rank: DDP over the model, `make_optimizer(param_groups, args)`, args.steps steps."""
     torch.set_num_threads(1)
     # A rank that fails (e.g. its port taken meanwhile) must not leave the other waiting 30 min.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.nproc, timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(args.seed)
     model = Gpt2(args.vocab_size, args.n_ctx, args.n_layer, args.n_head, args.n_embd)
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
-                                              gradient_as_bucket_view=args.gradient_as_bucket_view)
+    ddp = nn.parallel.DistributedDataParallel(
+        model, bucket_cap_mb=args.bucket_cap_mb,
+        gradient_as_bucket_view=getattr(args, "gradient_as_bucket_view", False))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = make_optimizer([{"params": decay, "weight_decay": args.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}], args)
     local = args.global_batch // args.nproc
     gen = torch.Generator().manual_seed(args.seed + rank)
     times = []
@@ -106,15 +111,16 @@ def rank_main(rank, args, port, results):
     dist.all_gather_object(gathered, peak_rss)
     if rank == 0:
         step = statistics.median(times[1:])
-        results.put({"peer": "torch_ddp", "torch": torch.__version__, "ranks": args.nproc,
+        results.put({"peer": peer, "torch": torch.__version__, "ranks": args.nproc,
                      "tokens_per_s": args.global_batch * args.seq_len / step,
                      "median_step_time_s": step, "peak_rss_bytes": gathered,
                      "params": sum(p.numel() for p in model.parameters())})
     dist.destroy_process_group()
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(description):
+    """The options every peer shares: ranks, steps, batch, model sizes, optimizer."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--global-batch", dest="global_batch", type=int, default=16)
@@ -128,20 +134,30 @@ def main():
     p.add_argument("--weight-decay", dest="weight_decay", type=float, default=0.1)
     p.add_argument("--max-grad-norm", dest="max_grad_norm", type=float, default=1.0)
     p.add_argument("--bucket-cap-mb", dest="bucket_cap_mb", type=float, default=25)
-    p.add_argument("--gradient-as-bucket-view", dest="gradient_as_bucket_view",
-                   action="store_true")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--port", type=int, default=0, help="rendezvous port (0: a free one)")
-    args = p.parse_args()
+    return p
+
+
+def launch(args, *rank_args):
+    """Runs rank_main(rank, args, port, results, *rank_args) on args.nproc processes; prints
+    rank 0's JSON line."""
     if args.port == 0:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(rank_main, args=(args, args.port, results), nprocs=args.nproc,
-                       start_method="spawn")
+    mp.start_processes(rank_main, args=(args, args.port, results) + rank_args,
+                       nprocs=args.nproc, start_method="spawn")
     print(json.dumps(results.get()))
+
+
+def main():
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--gradient-as-bucket-view", dest="gradient_as_bucket_view",
+                   action="store_true")
+    launch(p.parse_args())
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@
 #include <cai/sdk.hpp>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <optional>
 #include <string>
 #include <vector>
@@ -42,50 +41,19 @@
 namespace {
 
 using cai::sdk::Check;
+using cai::sdk::ElementSize;
 using cai::sdk::Error;
+using cai::sdk::FlatView;
 using cai::sdk::Host;
+using cai::sdk::ParamInfo;
+using cai::sdk::RunCollective;
+using cai::sdk::RunKernel;
+using cai::sdk::SameDtype;
 using Clock = std::chrono::steady_clock;
 
 constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
 constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
 constexpr cai_dtype kF16{CAI_DTYPE_FLOAT, 16, 1};
-
-// The unit stride of every flat view this plugin describes; never written through.
-int64_t kUnitStride = 1;
-
-bool SameDtype(cai_dtype a, cai_dtype b) { return a.code == b.code && a.bits == b.bits; }
-size_t ElementSize(cai_dtype d) { return d.bits / 8; }
-
-// A 1-D view of `numel` elements of `dtype` starting `offset` elements into `base`.
-// `numel` must outlive every use of the descriptor.
-cai_tensor FlatView(const cai::sdk::Buffer& base, cai_dtype dtype, size_t offset, int64_t* numel) {
-  cai_tensor whole{};
-  Check(Host().mempool->view(base.get(), dtype, &whole));
-  whole.data = static_cast<char*>(whole.data) + whole.byte_offset + offset * ElementSize(dtype);
-  whole.byte_offset = 0;
-  whole.shape = numel;
-  whole.strides = &kUnitStride;
-  return whole;
-}
-
-void Kernel(cai_mem_kernel_op op, const cai_tensor* x, const cai_tensor& y, double alpha,
-            double* result = nullptr) {
-  cai_mem_kernel_args args{};
-  args.struct_size = CAI_MEM_KERNEL_ARGS_STRUCT_SIZE;
-  args.op = op;
-  args.x = x;
-  args.y = &y;
-  args.alpha = alpha;
-  args.result = result;
-  Check(Host().mempool->kernel(&args));
-}
-
-cai_param_info ParamInfo(cai_model* model, uint32_t index) {
-  cai_param_info info{};
-  info.struct_size = CAI_PARAM_INFO_STRUCT_SIZE;
-  Check(Host().model->param_info(model, index, &info));
-  return info;
-}
 
 class Ddp {
  public:
@@ -140,17 +108,7 @@ class Ddp {
     find_unused_ = config.Bool("find_unused_parameters");
     bucket_view_ = config.Bool("gradient_as_bucket_view");
     static_graph_ = config.Bool("static_graph");
-    scaler_config_.struct_size = CAI_LOSS_SCALER_CONFIG_STRUCT_SIZE;
-    scaler_config_.initial_scale = config.Float("initial_scale");
-    scaler_config_.growth_factor = config.Float("growth_factor");
-    scaler_config_.backoff_factor = config.Float("backoff_factor");
-    scaler_config_.growth_interval = config.Int("growth_interval");
-    scaler_config_.hysteresis = config.Int("hysteresis");
-    scaler_config_.min_scale = config.Float("min_scale");
-    scaler_config_.max_scale = config.Float("max_scale");
-    if (scaler_config_.min_scale > scaler_config_.max_scale) {
-      throw Error(CAI_INVALID_ARGUMENT, "ddp: min_scale exceeds max_scale; lower min_scale");
-    }
+    scaler_config_ = cai::sdk::LossScalerConfig(config, kName);
   }
 
   ~Ddp() {
@@ -218,16 +176,16 @@ class Ddp {
       cai_tensor data{};
       Check(model.param_data(model_, s.param, &data));
       cai_tensor dst = SlotView(weights_, kF32, s);
-      Kernel(CAI_KERNEL_COPY, &data, dst, 0);
+      RunKernel(CAI_KERNEL_COPY, &data, dst, 0);
     }
     int64_t all = static_cast<int64_t>(numel_);
     cai_tensor flat = FlatView(weights_, kF32, 0, &all);
-    Collective(CAI_COMM_BROADCAST, flat, /*async=*/false);
+    RunCollective(CAI_COMM_BROADCAST, nullptr, flat, /*async=*/false);
     for (uint32_t i = 0; i < num_params; ++i) {  // frozen parameters must agree as well
       if (slot_of_param_[i] >= 0 || ParamInfo(model_, i).tied_to >= 0) continue;
       cai_tensor data{};
       Check(model.param_data(model_, i, &data));
-      Collective(CAI_COMM_BROADCAST, data, false);
+      RunCollective(CAI_COMM_BROADCAST, nullptr, data, false);
     }
     BroadcastBuffers();
 
@@ -237,7 +195,7 @@ class Ddp {
       Check(model.set_compute_dtype(model_, compute_dtype_));
       lowp_ = Alloc(numel_ * 2, "ddp.param");
       cai_tensor lowp = FlatView(lowp_, compute_dtype_, 0, &all);
-      Kernel(CAI_KERNEL_COPY, &flat, lowp, 0);
+      RunKernel(CAI_KERNEL_COPY, &flat, lowp, 0);
     }
     const cai::sdk::Buffer& params = mixed ? lowp_ : weights_;
     for (Slot& s : slots_) {
@@ -254,27 +212,14 @@ class Ddp {
     }
     for (Bucket& b : buckets_) b.view = FlatView(grads_, compute_dtype_, b.offset, &b.numel);
 
-    uint32_t slots = 0;
-    for (uint32_t g = 0; g < Host().optimizer->num_groups(optimizer_); ++g) {
-      cai_optim_group_info group{};
-      group.struct_size = CAI_OPTIM_GROUP_INFO_STRUCT_SIZE;
-      Check(Host().optimizer->group_info(optimizer_, g, &group));
-      slots = std::max(slots, group.state_slots);
-    }
+    const uint32_t slots = cai::sdk::MaxStateSlots(optimizer_);
     for (uint32_t k = 0; k < slots; ++k) state_.push_back(Alloc(numel_ * 4, "ddp.optim_state"));
     if (precision_ == CAI_PRECISION_FP16) scaler_.emplace(scaler_config_);
 
     local_used_.assign(slots_.size(), 0);
     ready_.assign(slots_.size(), 0);
     update_.assign(slots_.size(), 1);
-    cai_hook_args hook{};
-    hook.struct_size = CAI_HOOK_ARGS_STRUCT_SIZE;
-    hook.kind = CAI_HOOK_GRAD_READY;
-    hook.unit = -1;
-    hook.param = -1;
-    hook.fn = &Ddp::OnGradReadyHook;
-    hook.user_data = this;
-    Check(model.register_hook(model_, &hook, &hook_id_));
+    hook_id_ = cai::sdk::OnEveryGradReady(model_, &Ddp::OnGradReadyHook, this);
 
     std::string sizes;
     for (const Bucket& b : buckets_) {
@@ -342,11 +287,11 @@ class Ddp {
     for (Bucket& b : buckets_) {
       if (scaler_) {
         double ok = 0;
-        Kernel(CAI_KERNEL_ALL_FINITE, nullptr, b.view, 0, &ok);
+        RunKernel(CAI_KERNEL_ALL_FINITE, nullptr, b.view, 0, &ok);
         finite = finite && ok == 1.0;
       }
       double sq = 0;
-      Kernel(CAI_KERNEL_SUM_SQUARES, nullptr, b.view, 0, &sq);
+      RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, b.view, 0, &sq);
       sum_squares += sq;
     }
     result.loss_scale = scale;
@@ -387,7 +332,7 @@ class Ddp {
     for (Bucket& b : buckets_) b.work = cai::sdk::Work();
     if (bucket_view_) {
       int64_t all = static_cast<int64_t>(numel_);
-      Kernel(CAI_KERNEL_FILL, nullptr, FlatView(grads_, compute_dtype_, 0, &all), 0);
+      RunKernel(CAI_KERNEL_FILL, nullptr, FlatView(grads_, compute_dtype_, 0, &all), 0);
     } else {
       // PyTorch's default (set_to_none): the next backward allocates them afresh.
       Check(Host().model->zero_grad(model_, true));
@@ -404,24 +349,12 @@ class Ddp {
     const auto& ckpt = *Host().checkpoint;
     if (args.model) {
       for (const Slot& s : slots_) {
-        cai_tensor t = SlotView(weights_, kF32, s);
-        t.ndim = static_cast<int32_t>(s.shape.size());
-        t.shape = const_cast<int64_t*>(s.shape.data());
-        std::vector<int64_t> strides(s.shape.size(), 1);
-        for (size_t d = s.shape.size(); d-- > 1;) strides[d - 1] = strides[d] * s.shape[d];
-        t.strides = strides.data();
-        Check(ckpt.write_tensor(args.checkpoint, ("model/" + Name(s.param)).c_str(), &t));
+        cai::sdk::WriteAsFp32(args.checkpoint, "model/" + Name(s.param),
+                              SlotView(weights_, kF32, s), s.shape);
       }
       ForEachFrozen([&](uint32_t index, const cai_tensor& data) {
         // Frozen weights are model state too; fp32 as the layout says, whatever they compute in.
-        cai::sdk::Buffer tmp =
-            Alloc(static_cast<size_t>(ParamInfo(model_, index).numel) * 4, "ddp.checkpoint");
-        cai_tensor fp32 = data;
-        fp32.data = tmp.data();
-        fp32.dtype = kF32;
-        fp32.byte_offset = 0;
-        Kernel(CAI_KERNEL_COPY, &data, fp32, 0);
-        Check(ckpt.write_tensor(args.checkpoint, ("model/" + Name(index)).c_str(), &fp32));
+        cai::sdk::WriteAsFp32(args.checkpoint, "model/" + Name(index), data);
       });
     }
     if (args.optimizer) {
@@ -433,16 +366,7 @@ class Ddp {
         }
       }
       Check(ckpt.write_meta(args.checkpoint, "ddp.step", std::to_string(step_).c_str()));
-      if (scaler_) {
-        cai_loss_scaler_state state{};
-        state.struct_size = CAI_LOSS_SCALER_STATE_STRUCT_SIZE;
-        Check(Host().optimizer->loss_scaler_get_state(scaler_->get(), &state));
-        char text[128];
-        std::snprintf(text, sizeof text, "%.17g %lld %lld", state.scale,
-                      static_cast<long long>(state.clean_steps),
-                      static_cast<long long>(state.overflows_left));
-        Check(ckpt.write_meta(args.checkpoint, "ddp.loss_scaler", text));
-      }
+      if (scaler_) cai::sdk::SaveLossScalerState(*scaler_, args.checkpoint, "ddp.loss_scaler");
     }
   }
 
@@ -456,7 +380,7 @@ class Ddp {
       if (precision_ != CAI_PRECISION_FP32) {  // the 16-bit parameters follow the masters
         int64_t all = static_cast<int64_t>(numel_);
         cai_tensor master = FlatView(weights_, kF32, 0, &all);
-        Kernel(CAI_KERNEL_COPY, &master, FlatView(lowp_, compute_dtype_, 0, &all), 0);
+        RunKernel(CAI_KERNEL_COPY, &master, FlatView(lowp_, compute_dtype_, 0, &all), 0);
       }
       ForEachFrozen([&](uint32_t index, const cai_tensor& data) {
         Check(ckpt.read_tensor(args.checkpoint, ("model/" + Name(index)).c_str(), 0, 0, &data));
@@ -474,20 +398,7 @@ class Ddp {
       const char* step = nullptr;
       Check(ckpt.read_meta(args.checkpoint, "ddp.step", &step));
       step_ = std::stoll(step);
-      if (scaler_) {
-        const char* text = nullptr;
-        Check(ckpt.read_meta(args.checkpoint, "ddp.loss_scaler", &text));
-        cai_loss_scaler_state state{};
-        state.struct_size = CAI_LOSS_SCALER_STATE_STRUCT_SIZE;
-        long long clean = 0, left = 0;
-        if (std::sscanf(text, "%lf %lld %lld", &state.scale, &clean, &left) != 3) {
-          throw Error(CAI_DATA_LOSS, std::string("ddp: checkpoint meta ddp.loss_scaler is '") +
-                                         text + "', expected 'scale clean_steps overflows_left'");
-        }
-        state.clean_steps = clean;
-        state.overflows_left = left;
-        Check(Host().optimizer->loss_scaler_set_state(scaler_->get(), &state));
-      }
+      if (scaler_) cai::sdk::LoadLossScalerState(*scaler_, args.checkpoint, "ddp.loss_scaler");
     }
   }
 
@@ -555,12 +466,7 @@ class Ddp {
     return FlatView(base, dtype, s.offset, const_cast<int64_t*>(&s.numel));
   }
   std::string Name(uint32_t index) const { return ParamInfo(model_, index).name; }
-  size_t StateSlots(uint32_t group) const {
-    cai_optim_group_info info{};
-    info.struct_size = CAI_OPTIM_GROUP_INFO_STRUCT_SIZE;
-    Check(Host().optimizer->group_info(optimizer_, group, &info));
-    return info.state_slots;
-  }
+  size_t StateSlots(uint32_t group) const { return cai::sdk::StateSlots(optimizer_, group); }
   template <class F>
   void ForEachFrozen(F&& fn) {
     for (uint32_t i = 0; i < slot_of_param_.size(); ++i) {
@@ -571,26 +477,12 @@ class Ddp {
     }
   }
 
-  cai::sdk::Work Collective(cai_comm_op op, const cai_tensor& tensor, bool async,
-                            cai_reduce_op reduce = CAI_REDUCE_SUM) {
-    cai_comm_args args{};
-    args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-    args.op = op;
-    args.reduce_op = reduce;
-    args.output = &tensor;
-    args.root = 0;
-    args.async = async;
-    cai_comm_work* work = nullptr;
-    Check(Host().comm->run(&args, async ? &work : nullptr));
-    return cai::sdk::Work(work);
-  }
-
   void BroadcastBuffers() {
     const auto& model = *Host().model;
     for (uint32_t i = 0; i < model.num_buffers(model_); ++i) {
       cai_tensor data{};
       Check(model.buffer_data(model_, i, &data));
-      Collective(CAI_COMM_BROADCAST, data, false);
+      RunCollective(CAI_COMM_BROADCAST, nullptr, data, false);
     }
   }
 
@@ -639,9 +531,9 @@ class Ddp {
       cai_status* missing = Host().model->param_grad(model_, s.param, &grad);
       if (missing) {
         Host().status_destroy(missing);
-        Kernel(CAI_KERNEL_FILL, nullptr, dst, 0);
+        RunKernel(CAI_KERNEL_FILL, nullptr, dst, 0);
       } else {
-        Kernel(CAI_KERNEL_COPY, &grad, dst, 0);
+        RunKernel(CAI_KERNEL_COPY, &grad, dst, 0);
       }
     }
     ready_[slot] = 1;
@@ -653,7 +545,7 @@ class Ddp {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
       Bucket& b = buckets_[next_launch_++];
       if (!launch_time_) launch_time_ = Clock::now();
-      b.work = Collective(CAI_COMM_ALL_REDUCE, b.view, /*async=*/true);
+      b.work = RunCollective(CAI_COMM_ALL_REDUCE, nullptr, b.view, /*async=*/true);
       b.launched = true;
     }
   }
@@ -699,8 +591,8 @@ class Ddp {
     cai::sdk::Buffer used = Alloc(slots_.size(), "ddp.used");
     Check(Host().mempool->copy(used.data(), local_used_.data(), slots_.size(), nullptr));
     int64_t n = static_cast<int64_t>(slots_.size());
-    Collective(CAI_COMM_ALL_REDUCE, FlatView(used, {CAI_DTYPE_UINT, 8, 1}, 0, &n), false,
-               CAI_REDUCE_MAX);
+    RunCollective(CAI_COMM_ALL_REDUCE, nullptr, FlatView(used, {CAI_DTYPE_UINT, 8, 1}, 0, &n),
+                  false, CAI_REDUCE_MAX);
     Check(Host().mempool->copy(update_.data(), used.data(), slots_.size(), nullptr));
     if (static_graph_) {
       for (size_t s = 0; s < slots_.size(); ++s) {
@@ -721,7 +613,7 @@ class Ddp {
         continue;
       }
       cai_tensor src = SlotView(grads_, compute_dtype_, s);
-      Kernel(CAI_KERNEL_COPY, &src, grad, 0);
+      RunKernel(CAI_KERNEL_COPY, &src, grad, 0);
     }
   }
 

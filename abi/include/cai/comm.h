@@ -53,7 +53,8 @@ enum {
  *  REDUCE_SCATTER: `input` holds group_size equal chunks; this rank's reduced chunk lands in
  *                  `output` (numel(input) == group_size * numel(output)).
  *  ALL_GATHER:     every rank's `input` concatenated in rank order into `output`
- *                  (numel(output) == group_size * numel(input)).
+ *                  (numel(output) == group_size * numel(input)). In place when `input` is
+ *                  this rank's chunk of `output` (as in NCCL), e.g. ZeRO's updated shard.
  *  BROADCAST:      `output` on rank `root` copied to `output` on every rank.
  *  REDUCE:         `output` reduced into `output` on rank `root` only.
  *  ALL_TO_ALL:     chunk j of `input` goes to rank j; chunk i of `output` comes from rank i.

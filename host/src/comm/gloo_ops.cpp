@@ -363,7 +363,12 @@ void RunCollective(gloo::Context& context, const OpSpec& spec) {
       return;
     case CAI_COMM_ALL_GATHER: {
       gloo::AllgatherOptions opts(shared);
-      opts.setInput<std::byte>(spec.input.data, spec.input.bytes());
+      // In place (as NCCL's) when the input is this rank's chunk of the output: Gloo then
+      // leaves that chunk as it is rather than copying it onto itself.
+      const bool in_place =
+          spec.input.data ==
+          spec.output.data + static_cast<size_t>(context.rank) * spec.input.bytes();
+      if (!in_place) opts.setInput<std::byte>(spec.input.data, spec.input.bytes());
       opts.setOutput<std::byte>(spec.output.data, spec.output.bytes());
       opts.setTimeout(spec.timeout);
       gloo::allgather(opts);

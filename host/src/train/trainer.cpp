@@ -481,10 +481,19 @@ void Run::Report(int64_t step, double loss, const cai_step_result& result, doubl
 }
 
 void Run::WriteSummary(double wall_s) {
-  // Per-rank figures travel to rank 0 in one all-gather: peak bytes per tier, peak RSS, and
-  // bytes handed to each collective per step.
-  constexpr size_t kFields = CAI_MEM_NUM_TIERS + 1 + CAI_COMM_NUM_OPS;
+  // Per-rank figures travel to rank 0 in one all-gather: peak bytes per tier, peak RSS, bytes
+  // handed to each collective per step, and what the strategy holds (sharding strategies hold
+  // different amounts on different ranks).
+  constexpr size_t kStats = CAI_MEM_NUM_TIERS + 1 + CAI_COMM_NUM_OPS;
+  constexpr size_t kFields = kStats + 4;
+  cai_strategy_stats stats{};
+  stats.struct_size = CAI_STRATEGY_STATS_STRUCT_SIZE;
+  ThrowIfError(strategy_.api->stats(instance_, &stats));
   std::vector<int64_t> mine(kFields);
+  mine[kStats + 0] = static_cast<int64_t>(stats.param_bytes);
+  mine[kStats + 1] = static_cast<int64_t>(stats.grad_bytes);
+  mine[kStats + 2] = static_cast<int64_t>(stats.optimizer_state_bytes);
+  mine[kStats + 3] = static_cast<int64_t>(stats.master_bytes);
   for (int tier = 0; tier < CAI_MEM_NUM_TIERS; ++tier) {
     cai_mem_usage usage{};
     usage.struct_size = CAI_MEM_USAGE_STRUCT_SIZE;
@@ -528,11 +537,14 @@ void Run::WriteSummary(double wall_s) {
                         .AddRaw("peak_bytes", peak.str())
                         .Add("peak_rss_bytes", f[CAI_MEM_NUM_TIERS])
                         .AddRaw("comm_bytes_per_step", comm.str())
+                        .AddRaw("strategy_bytes", JsonObject()
+                                                      .Add("params", f[kStats + 0])
+                                                      .Add("grads", f[kStats + 1])
+                                                      .Add("optimizer_state", f[kStats + 2])
+                                                      .Add("master", f[kStats + 3])
+                                                      .str())
                         .str());
   }
-  cai_strategy_stats stats{};
-  stats.struct_size = CAI_STRATEGY_STATS_STRUCT_SIZE;
-  ThrowIfError(strategy_.api->stats(instance_, &stats));
   JsonObject summary;
   summary.Add("plugin", strategy_.name)
       .Add("world_size", env_.world_size)

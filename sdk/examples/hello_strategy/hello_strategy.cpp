@@ -79,24 +79,11 @@ class HelloStrategy {
   void NoSync(bool) {}
 
   void ForwardBackward(const cai_micro_batch& batch) {
-    cai_forward_backward_args args{};
-    args.struct_size = CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE;
-    args.tokens = batch.tokens;
-    args.targets = batch.targets;
-    args.backward = true;
-    args.loss_weight = batch.loss_weight;
-    args.loss = batch.loss;
-    Check(Host().model->forward_backward(model_, &args));
+    cai::sdk::RunMicroBatch(model_, batch, /*backward=*/true);
   }
 
   void Evaluate(const cai_micro_batch& batch) {
-    cai_forward_backward_args args{};
-    args.struct_size = CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE;
-    args.tokens = batch.tokens;
-    args.targets = batch.targets;
-    args.backward = false;
-    args.loss = batch.loss;
-    Check(Host().model->forward_backward(model_, &args));
+    cai::sdk::RunMicroBatch(model_, batch, /*backward=*/false);
   }
 
   void Step(cai_step_result& result) {
@@ -117,7 +104,7 @@ class HelloStrategy {
       }
       Collective(CAI_COMM_ALL_REDUCE, grads[k]);
       double sq = 0;
-      Kernel(CAI_KERNEL_SUM_SQUARES, grads[k], &sq);
+      cai::sdk::RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, grads[k], 0, &sq);
       sum_squares += sq;
     }
     const double norm = std::sqrt(sum_squares);
@@ -201,15 +188,6 @@ class HelloStrategy {
     args.root = root_;
     args.timeout_ms = timeout_ms_;
     Check(Host().comm->run(&args, nullptr));
-  }
-
-  void Kernel(cai_mem_kernel_op op, const cai_tensor& y, double* result) {
-    cai_mem_kernel_args args{};
-    args.struct_size = CAI_MEM_KERNEL_ARGS_STRUCT_SIZE;
-    args.op = op;
-    args.y = &y;
-    args.result = result;
-    Check(Host().mempool->kernel(&args));
   }
 
   template <class F>

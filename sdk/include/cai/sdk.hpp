@@ -5,6 +5,9 @@
 //    Guard() turns any exception back into a status at every entry point (none ever crosses);
 //  - RAII handles that release through the ABI (Buffer, Work, LossScaler);
 //  - typed config access (Config) and config-schema builders (BoolKey, IntKey, ...);
+//  - flat-buffer helpers (FlatView, RunKernel), ParamInfo, StateSlots, OnEveryGradReady,
+//    RunCollective, RunMicroBatch, WriteAsFp32, and the standard loss-scaler keys and
+//    checkpoint state (LossScalerConfig, Save/LoadLossScalerState);
 //  - CAI_PLUGIN(Class): defines cai_plugin_init_v1 with two-way version negotiation and the
 //    strategy table, with required and optional methods detected at compile time.
 //
@@ -24,6 +27,8 @@
 #ifndef CAI_SDK_HPP_
 #define CAI_SDK_HPP_
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <new>
 #include <span>
@@ -31,6 +36,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "cai/abi.h"
 
@@ -232,6 +238,191 @@ class LossScaler {
  private:
   cai_loss_scaler* scaler_ = nullptr;
 };
+
+// ---- Flat buffers, kernels, the model -------------------------------------------------------
+// Strategies keep parameters, gradients and optimizer state in flat pool buffers and hand the
+// host 1-D views of pieces of them.
+
+inline bool SameDtype(cai_dtype a, cai_dtype b) { return a.code == b.code && a.bits == b.bits; }
+inline size_t ElementSize(cai_dtype d) { return d.bits / 8; }
+
+// A 1-D view of `*numel` elements of `dtype` starting `offset` elements into `base`. `numel`
+// must outlive every use of the descriptor.
+inline cai_tensor FlatView(const Buffer& base, cai_dtype dtype, size_t offset, int64_t* numel) {
+  static int64_t unit_stride = 1;  // never written through
+  cai_tensor whole{};
+  Check(Host().mempool->view(base.get(), dtype, &whole));
+  whole.data = static_cast<char*>(whole.data) + whole.byte_offset + offset * ElementSize(dtype);
+  whole.byte_offset = 0;
+  whole.shape = numel;
+  whole.strides = &unit_stride;
+  return whole;
+}
+
+// Runs one of the memory pool's element-wise kernels (cai_mem_kernel_op) to completion.
+inline void RunKernel(cai_mem_kernel_op op, const cai_tensor* x, const cai_tensor& y,
+                      double alpha = 0, double* result = nullptr) {
+  cai_mem_kernel_args args{};
+  args.struct_size = CAI_MEM_KERNEL_ARGS_STRUCT_SIZE;
+  args.op = op;
+  args.x = x;
+  args.y = &y;
+  args.alpha = alpha;
+  args.result = result;
+  Check(Host().mempool->kernel(&args));
+}
+
+inline cai_param_info ParamInfo(const cai_model* model, uint32_t index) {
+  cai_param_info info{};
+  info.struct_size = CAI_PARAM_INFO_STRUCT_SIZE;
+  Check(Host().model->param_info(model, index, &info));
+  return info;
+}
+
+// The optimizer's fp32 state values per element of `group` (2 for Adam, 1 for SGD+momentum),
+// and the most of any group.
+inline uint32_t StateSlots(const cai_optimizer* optimizer, uint32_t group) {
+  cai_optim_group_info info{};
+  info.struct_size = CAI_OPTIM_GROUP_INFO_STRUCT_SIZE;
+  Check(Host().optimizer->group_info(optimizer, group, &info));
+  return info.state_slots;
+}
+inline uint32_t MaxStateSlots(const cai_optimizer* optimizer) {
+  uint32_t slots = 0;
+  for (uint32_t g = 0; g < Host().optimizer->num_groups(optimizer); ++g) {
+    slots = std::max(slots, StateSlots(optimizer, g));
+  }
+  return slots;
+}
+
+// Calls fn(user_data, event) whenever a trainable parameter's gradient is ready; returns the id
+// for cai_model_api.remove_hook.
+inline uint64_t OnEveryGradReady(cai_model* model, cai_hook_fn fn, void* user_data) {
+  cai_hook_args hook{};
+  hook.struct_size = CAI_HOOK_ARGS_STRUCT_SIZE;
+  hook.kind = CAI_HOOK_GRAD_READY;
+  hook.unit = -1;
+  hook.param = -1;
+  hook.fn = fn;
+  hook.user_data = user_data;
+  uint64_t id = 0;
+  Check(Host().model->register_hook(model, &hook, &id));
+  return id;
+}
+
+// One collective on the world group (see cai_comm_args; `input` NULL for the ops that take
+// none, root 0). With `async` the returned Work must be waited for before the buffers are
+// touched; without, it is empty and the collective has completed.
+inline Work RunCollective(cai_comm_op op, const cai_tensor* input, const cai_tensor& output,
+                          bool async, cai_reduce_op reduce = CAI_REDUCE_SUM) {
+  cai_comm_args args{};
+  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+  args.op = op;
+  args.reduce_op = reduce;
+  args.input = input;
+  args.output = &output;
+  args.async = async;
+  cai_comm_work* work = nullptr;
+  Check(Host().comm->run(&args, async ? &work : nullptr));
+  return Work(work);
+}
+
+// Writes contiguous `data` (fp32, bf16 or fp16) under `name` as fp32, the dtype of the
+// canonical checkpoint layout, described with `shape` when given (a flat view of a parameter
+// saved in the parameter's shape).
+inline void WriteAsFp32(cai_checkpoint* ckpt, const std::string& name, const cai_tensor& data,
+                        std::span<const int64_t> shape = {}) {
+  constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
+  cai_tensor t = data;
+  Buffer converted;
+  if (!SameDtype(data.dtype, kF32)) {
+    size_t numel = 1;
+    for (int32_t d = 0; d < data.ndim; ++d) numel *= static_cast<size_t>(data.shape[d]);
+    converted = Buffer::Alloc(CAI_MEM_DEVICE, std::max<size_t>(numel, 1) * 4, "checkpoint");
+    t.data = converted.data();
+    t.dtype = kF32;
+    t.byte_offset = 0;
+    RunKernel(CAI_KERNEL_COPY, &data, t);
+  }
+  std::vector<int64_t> strides(shape.size(), 1);
+  if (!shape.empty()) {
+    for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
+    t.ndim = static_cast<int32_t>(shape.size());
+    t.shape = const_cast<int64_t*>(shape.data());
+    t.strides = strides.data();
+  }
+  Check(Host().checkpoint->write_tensor(ckpt, name.c_str(), &t));
+}
+
+// One micro-batch through the whole model: forward and, with `backward`, backward of the loss
+// times the batch's weight and `loss_scale`.
+inline void RunMicroBatch(cai_model* model, const cai_micro_batch& batch, bool backward,
+                          double loss_scale = 1) {
+  cai_forward_backward_args args{};
+  args.struct_size = CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE;
+  args.tokens = batch.tokens;
+  args.targets = batch.targets;
+  args.backward = backward;
+  args.loss_scale = loss_scale;
+  args.loss_weight = backward ? batch.loss_weight : 0;
+  args.loss = batch.loss;
+  Check(Host().model->forward_backward(model, &args));
+}
+
+// ---- Loss scaling keys and checkpoint state -------------------------------------------------
+
+// The scaler configuration from a plugin's keys initial_scale, growth_factor, backoff_factor,
+// growth_interval, hysteresis, min_scale and max_scale; `plugin` names it in errors.
+inline cai_loss_scaler_config LossScalerConfig(const Config& config, const std::string& plugin) {
+  cai_loss_scaler_config c{};
+  c.struct_size = CAI_LOSS_SCALER_CONFIG_STRUCT_SIZE;
+  c.initial_scale = config.Float("initial_scale");
+  c.growth_factor = config.Float("growth_factor");
+  c.backoff_factor = config.Float("backoff_factor");
+  c.growth_interval = config.Int("growth_interval");
+  c.hysteresis = config.Int("hysteresis");
+  c.min_scale = config.Float("min_scale");
+  c.max_scale = config.Float("max_scale");
+  if (c.min_scale > c.max_scale) {
+    throw Error(CAI_INVALID_ARGUMENT, plugin + ": min_scale " + std::to_string(c.min_scale) +
+                                          " exceeds max_scale " + std::to_string(c.max_scale) +
+                                          "; lower min_scale");
+  }
+  if (c.initial_scale < c.min_scale || c.initial_scale > c.max_scale) {
+    throw Error(CAI_INVALID_ARGUMENT,
+                plugin + ": initial_scale " + std::to_string(c.initial_scale) +
+                    " lies outside [min_scale, max_scale]; change one of the three");
+  }
+  return c;
+}
+
+// Writes the scaler's state as checkpoint metadata `key` ("scale clean_steps overflows_left"),
+// so a resumed run continues bit for bit.
+inline void SaveLossScalerState(const LossScaler& scaler, cai_checkpoint* ckpt, const char* key) {
+  cai_loss_scaler_state state{};
+  state.struct_size = CAI_LOSS_SCALER_STATE_STRUCT_SIZE;
+  Check(Host().optimizer->loss_scaler_get_state(scaler.get(), &state));
+  char text[128];
+  std::snprintf(text, sizeof text, "%.17g %lld %lld", state.scale,
+                static_cast<long long>(state.clean_steps),
+                static_cast<long long>(state.overflows_left));
+  Check(Host().checkpoint->write_meta(ckpt, key, text));
+}
+
+inline void LoadLossScalerState(LossScaler& scaler, cai_checkpoint* ckpt, const char* key) {
+  const char* text = nullptr;
+  Check(Host().checkpoint->read_meta(ckpt, key, &text));
+  cai_loss_scaler_state state{};
+  state.struct_size = CAI_LOSS_SCALER_STATE_STRUCT_SIZE;
+  long long clean = 0, left = 0;
+  if (std::sscanf(text, "%lf %lld %lld", &state.scale, &clean, &left) != 3) {
+    throw Error(CAI_DATA_LOSS, std::string("checkpoint meta ") + key + " is '" + text +
+                                   "', expected 'scale clean_steps overflows_left'");
+  }
+  state.clean_steps = clean;
+  state.overflows_left = left;
+  Check(Host().optimizer->loss_scaler_set_state(scaler.get(), &state));
+}
 
 // ---- Entry point --------------------------------------------------------------------------
 

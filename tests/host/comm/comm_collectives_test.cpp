@@ -154,6 +154,32 @@ TEST(Comm, Comm_TwoAndThreeRanks_AllGatherUneven_ConcatenatesInRankOrder) {
   }
 }
 
+// ZeRO's re-gather: each rank's input is its own chunk of the output buffer (NCCL's in-place
+// form), which must neither be copied onto itself nor disturb the other chunks' arrival.
+TEST(Comm, Comm_TwoAndThreeRanks_AllGatherInPlace_ConcatenatesInRankOrder) {
+  for (int world : {2, 3}) {
+    RunRanks(world, [](const RankContext& ctx) {
+      InitRank(ctx, kTimeout);
+      for (size_t n : {size_t{1}, size_t{1001}, size_t{400003}}) {
+        HostTensor<float> out(n * ctx.world_size, kF32);
+        for (size_t i = 0; i < n; ++i) {
+          out.data[ctx.rank * n + i] = static_cast<float>(ctx.rank * 1000000 + i % 1000);
+        }
+        cai_tensor in = out.t;
+        int64_t chunk = static_cast<int64_t>(n);
+        in.data = out.data.data() + ctx.rank * n;
+        in.shape = &chunk;
+        RunOp(Args(CAI_COMM_ALL_GATHER, &in, &out.t));
+        for (int r = 0; r < ctx.world_size; ++r) {
+          for (size_t i = 0; i < n; ++i) {
+            ASSERT_EQ(out.data[r * n + i], static_cast<float>(r * 1000000 + i % 1000));
+          }
+        }
+      }
+    });
+  }
+}
+
 TEST(Comm, Comm_TwoAndThreeRanks_BroadcastFromEveryRoot_CopiesRootTensor) {
   for (int world : {2, 3}) {
     RunRanks(world, [](const RankContext& ctx) {

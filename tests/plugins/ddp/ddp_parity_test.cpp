@@ -19,202 +19,47 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
-#include "checkpoint/rank_file.h"
+#include "train_run.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct RunResult {
-  int exit_code = -1;
-  std::string output;          // stdout + stderr of `cai train`
-  std::vector<double> losses;  // metrics.jsonl, one per step
-  std::vector<double> grad_norms;
-  std::vector<bool> skipped;  // fp16 steps skipped for inf/nan gradients
-  fs::path checkpoint;        // the last checkpoint directory
-  std::string summary;        // summary.json
-};
+using cai::testing::ExpectMatches;
+using cai::testing::ModelTensorNames;
+using cai::testing::ReadFile;
+using RunResult = cai::testing::TrainRun;
 
-std::string ReadFile(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-// Where the value of "key" starts in a JSON object (metrics.jsonl, summary.json), or npos.
-size_t JsonValue(const std::string& json, const std::string& key, size_t from = 0) {
-  size_t at = json.find("\"" + key + "\":", from);
-  if (at == std::string::npos) return at;
-  at += key.size() + 3;
-  while (at < json.size() && json[at] == ' ') ++at;
-  return at;
-}
-
-// The number at "key" (NaN when absent or null, as the host writes a non-finite norm).
-double JsonNumber(const std::string& json, const std::string& key, size_t from = 0) {
-  const size_t at = JsonValue(json, key, from);
-  return at == std::string::npos ? NAN : std::strtod(json.c_str() + at, nullptr);
-}
-
-// A tiny GPT-2 job: two parameter groups with different LR and weight decay, clipping at a
-// norm every step exceeds, warmup into cosine decay, 6 steps of a global batch of 6.
-const char* const kBaseJob = R"(
-[model]
-kind = "gpt2"
-n_layer = 2
-n_head = 2
-n_embd = 32
-n_ctx = 32
-
-[optimizer]
-kind = "adamw"
-lr = 0.003
-weight_decay = 0.1
-no_decay_lr = 0.001
-no_decay_weight_decay = 0.01
-max_grad_norm = 0.05
-warmup_steps = 2
-
-[train]
-steps = 6
-global_batch = 6
-seq_len = 16
-seed = 7
-eval_every = 0
-eval_batches = 1
-threads = 1
-
-[checkpoint]
-at_end = true
-)";
-
-// Runs `cai train` with the base job and `sets`; `name` names the run directory.
+// Runs `cai train` with the tiny job and `sets`; `name` names the run directory.
 RunResult Train(const std::string& name, int nproc, const std::vector<std::string>& sets) {
-  const fs::path dir = fs::path(CAI_DDP_TEST_RUNS) / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  std::ofstream(dir / "job.toml") << kBaseJob;
-  std::string command = "CAI_PLUGIN_FILES='" CAI_DDP_MANIFEST "' '" CAI_EXE "' train '" +
-                        (dir / "job.toml").string() + "' --nproc " + std::to_string(nproc) +
-                        " --run-dir '" + (dir / "run").string() + "'";
-  for (const std::string& s : sets) command += " --set '" + s + "'";
-  command += " > '" + (dir / "output.txt").string() + "' 2>&1";
-  RunResult r;
-  const int status = std::system(command.c_str());
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.output = ReadFile(dir / "output.txt");
-  std::ifstream metrics(dir / "run" / "metrics.jsonl");
-  for (std::string line; std::getline(metrics, line);) {
-    r.losses.push_back(JsonNumber(line, "loss"));
-    r.grad_norms.push_back(JsonNumber(line, "grad_norm"));
-    const size_t skipped = JsonValue(line, "skipped");
-    r.skipped.push_back(skipped != std::string::npos && line.compare(skipped, 4, "true") == 0);
-  }
-  r.summary = ReadFile(dir / "run" / "summary.json");
-  if (auto latest = cai::ckpt::FindLatestCheckpoint(dir / "run" / "checkpoints")) {
-    r.checkpoint = *latest;
-  }
-  return r;
+  return cai::testing::RunTrain(fs::path(CAI_DDP_TEST_RUNS) / name, cai::testing::kTinyGptJob,
+                                nproc, sets, CAI_DDP_MANIFEST);
 }
 
-std::vector<float> ReadTensor(cai::ckpt::CheckpointReader& reader, const std::string& name) {
-  const cai_checkpoint_api& api = *cai::CheckpointApi();
-  cai_ckpt_tensor_info info{};
-  info.struct_size = CAI_CKPT_TENSOR_INFO_STRUCT_SIZE;
-  cai_status* status = api.tensor_info(reader.handle(), name.c_str(), &info);
-  if (status) {
-    ADD_FAILURE() << "checkpoint has no tensor " << name;
-    return {};
-  }
-  int64_t numel = 1;
-  for (int32_t d = 0; d < info.ndim; ++d) numel *= info.shape[d];
-  std::vector<float> values(static_cast<size_t>(numel));
-  int64_t stride = 1;
-  cai_tensor dst{
-      values.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_FLOAT, 32, 1}, &numel, &stride, 0};
-  EXPECT_EQ(api.read_tensor(reader.handle(), name.c_str(), 0, 0, &dst), nullptr) << name;
-  return values;
-}
-
-// The "model/*" tensors the reference wrote (it runs on one rank: all in rank 0's file).
-std::vector<std::string> ModelTensorNames(const fs::path& checkpoint) {
-  std::vector<std::string> names;
-  cai::ckpt::RankFileReader file(checkpoint / cai::ckpt::RankFileName(0));
-  for (const cai::ckpt::Entry& e : file.entries()) {
-    if (e.kind == cai::ckpt::EntryKind::kTensor && e.name.rfind("model/", 0) == 0) {
-      names.push_back(e.name);
-    }
-  }
-  return names;
+std::vector<float> ReadTensor(const fs::path& checkpoint, const std::string& name) {
+  return cai::testing::ReadCheckpointTensor(checkpoint, name);
 }
 
 std::map<std::string, std::vector<float>> ModelTensors(const fs::path& checkpoint,
                                                        const std::vector<std::string>& names) {
-  cai::ckpt::CheckpointReader reader(checkpoint);
   std::map<std::string, std::vector<float>> tensors;
-  for (const std::string& name : names) tensors[name] = ReadTensor(reader, name);
+  for (const std::string& name : names) tensors[name] = ReadTensor(checkpoint, name);
   return tensors;
-}
-
-// Asserts that `run` succeeded and agrees with `ref` within `rtol` (see the file comment).
-void ExpectMatches(const RunResult& ref, const RunResult& run, double rtol) {
-  ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  ASSERT_EQ(run.exit_code, 0) << run.output;
-  ASSERT_FALSE(ref.losses.empty());
-  ASSERT_EQ(run.losses.size(), ref.losses.size());
-  for (size_t s = 0; s < ref.losses.size(); ++s) {
-    EXPECT_NEAR(run.losses[s], ref.losses[s], rtol * std::abs(ref.losses[s]))
-        << "loss of step " << s + 1;
-  }
-  ASSERT_FALSE(ref.checkpoint.empty()) << ref.output;
-  ASSERT_FALSE(run.checkpoint.empty()) << run.output;
-  const std::vector<std::string> names = ModelTensorNames(ref.checkpoint);
-  ASSERT_FALSE(names.empty());
-  const auto expected = ModelTensors(ref.checkpoint, names);
-  const auto actual = ModelTensors(run.checkpoint, names);
-  for (const std::string& name : names) {
-    const std::vector<float>& a = actual.at(name);
-    const std::vector<float>& b = expected.at(name);
-    ASSERT_EQ(a.size(), b.size()) << name;
-    double diff = 0, norm = 0;
-    for (size_t i = 0; i < b.size(); ++i) {
-      const double d = static_cast<double>(a[i]) - b[i];
-      diff += d * d;
-      norm += static_cast<double>(b[i]) * b[i];
-    }
-    EXPECT_LE(std::sqrt(diff), rtol * std::sqrt(norm))
-        << name << ": relative L2 error " << std::sqrt(diff / norm);
-  }
 }
 
 // Bytes handed to all-reduce in the last step, per rank, from summary.json.
 std::vector<double> AllReduceBytesPerStep(const RunResult& r) {
-  std::vector<double> bytes;
-  for (size_t at = r.summary.find("\"comm_bytes_per_step\":"); at != std::string::npos;
-       at = r.summary.find("\"comm_bytes_per_step\":", at + 1)) {
-    bytes.push_back(JsonNumber(r.summary, "all_reduce", at));
-  }
-  return bytes;
+  return cai::testing::PerRank(r, "comm_bytes_per_step", "all_reduce");
 }
 
-// Trainable fp32 elements of the reference's checkpoint: Ψ.
+// Trainable fp32 bytes of the reference's checkpoint: 4Ψ.
 double GradientBytes(const RunResult& ref) {
-  double bytes = 0;
-  cai::ckpt::RankFileReader file(ref.checkpoint / cai::ckpt::RankFileName(0));
-  for (const cai::ckpt::Entry& e : file.entries()) {
-    if (e.kind == cai::ckpt::EntryKind::kTensor && e.name.rfind("model/", 0) == 0) {
-      bytes += static_cast<double>(e.bytes);
-    }
-  }
-  return bytes;
+  return 4 * cai::testing::ModelElements(ref.checkpoint);
 }
 
 RunResult Reference(const std::string& name, std::vector<std::string> sets) {
@@ -321,10 +166,9 @@ TEST(DdpParity, Ddp_TwoRanks_FrozenAndUnusedParametersMatchReference) {
   const RunResult ddp = Ddp("frozen", 2, ddp_sets);
   ExpectMatches(ref, ddp, kFp32Tolerance);
   torch::jit::Module saved = torch::jit::load((fs::path(CAI_DDP_TEST_RUNS) / "frozen.pt").string());
-  cai::ckpt::CheckpointReader reader(ddp.checkpoint);
   for (const char* name : {"frozen", "unused"}) {
     const torch::Tensor initial = saved.attr(name).toTensor().contiguous();
-    const std::vector<float> final = ReadTensor(reader, std::string("model/") + name);
+    const std::vector<float> final = ReadTensor(ddp.checkpoint, std::string("model/") + name);
     ASSERT_EQ(final.size(), static_cast<size_t>(initial.numel())) << name;
     EXPECT_TRUE(std::equal(final.begin(), final.end(), initial.data_ptr<float>()))
         << name << " changed during training";

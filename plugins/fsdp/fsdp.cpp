@@ -75,6 +75,8 @@ using cai::sdk::Buffer;
 using cai::sdk::Check;
 using cai::sdk::Error;
 using cai::sdk::Host;
+using cai::sdk::RunCollective;
+using cai::sdk::RunKernel;
 
 constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
 constexpr cai_dtype kF64{CAI_DTYPE_FLOAT, 64, 1};
@@ -247,7 +249,7 @@ class Fsdp {
       for (const Member& m : u.members) {
         cai_tensor data{};
         Check(model.param_data(model_, m.param, &data));
-        Kernel(CAI_KERNEL_COPY, &data, Vec(F32(flat, m.offset), device_, kF32, &m.numel));
+        RunKernel(CAI_KERNEL_COPY, &data, Vec(F32(flat, m.offset), device_, kF32, &m.numel));
       }
       if (sync_module_states_ && world_ > 1) Broadcast(Vec(flat.data(), device_, kF32, &u.full));
       Check(Host().mempool->copy(F32(params_, u.base), F32(flat, shard_index_ * u.shard),
@@ -332,8 +334,8 @@ class Fsdp {
     // every rank holds the whole); [1 + member]: ranks on which the parameter got a gradient.
     std::vector<double> sums(1 + num_members_, 0.0);
     if (!no_shard_ || Host().comm->rank(nullptr) == 0) {
-      Kernel(CAI_KERNEL_SUM_SQUARES, nullptr, Vec(grads_.data(), device_, kF32, &shard_numel_),
-             &sums[0]);
+      RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, Vec(grads_.data(), device_, kF32, &shard_numel_),
+                0, &sums[0]);
     }
     for (size_t m = 0; m < num_members_; ++m) sums[1 + m] = used_[m];
     if (world_ > 1) {
@@ -342,7 +344,7 @@ class Fsdp {
       Buffer travel = Buffer::Alloc(CAI_MEM_DEVICE, sums.size() * 8, "fsdp.step_sums");
       Check(Host().mempool->copy(travel.data(), sums.data(), sums.size() * 8, nullptr));
       cai_tensor t = Vec(travel.data(), device_, kF64, &n);
-      Collective(CAI_COMM_ALL_REDUCE, nullptr, &t);
+      RunCollective(CAI_COMM_ALL_REDUCE, nullptr, t, false);
       Check(Host().mempool->copy(sums.data(), travel.data(), sums.size() * 8, nullptr));
     }
     const double norm = std::sqrt(sums[0]);
@@ -382,7 +384,7 @@ class Fsdp {
 
   void ZeroGrad() {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "fsdp: zero_grad before boost");
-    Kernel(CAI_KERNEL_FILL, nullptr, Vec(grads_.data(), device_, kF32, &shard_numel_));
+    RunKernel(CAI_KERNEL_FILL, nullptr, Vec(grads_.data(), device_, kF32, &shard_numel_));
     std::fill(used_.begin(), used_.end(), 0);
   }
 
@@ -519,31 +521,9 @@ class Fsdp {
     Check(Host().optimizer->group_info(optimizer_, group, &info));
     return info;
   }
-  static void Kernel(cai_mem_kernel_op op, const cai_tensor* x, const cai_tensor& y,
-                     double* result = nullptr, double alpha = 0) {
-    cai_mem_kernel_args k{};
-    k.struct_size = CAI_MEM_KERNEL_ARGS_STRUCT_SIZE;
-    k.op = op;
-    k.x = x;
-    k.y = &y;
-    k.alpha = alpha;
-    k.result = result;
-    Check(Host().mempool->kernel(&k));
+  static void Broadcast(const cai_tensor& t) {
+    RunCollective(CAI_COMM_BROADCAST, nullptr, t, false);
   }
-  static cai::sdk::Work Collective(cai_comm_op op, const cai_tensor* input,
-                                   const cai_tensor* output, bool async = false) {
-    cai_comm_args c{};
-    c.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-    c.op = op;
-    c.reduce_op = CAI_REDUCE_SUM;
-    c.input = input;
-    c.output = output;
-    c.async = async;
-    cai_comm_work* work = nullptr;
-    Check(Host().comm->run(&c, async ? &work : nullptr));
-    return cai::sdk::Work(work);
-  }
-  static void Broadcast(const cai_tensor& t) { Collective(CAI_COMM_BROADCAST, nullptr, &t); }
 
   cai_status* RunModel(const cai_micro_batch& batch, bool backward) {
     cai_forward_backward_args f{};
@@ -584,9 +564,9 @@ class Fsdp {
     cai_tensor in = Vec(F32(shards, u.base), device_, kF32, &u.shard);
     cai_tensor out = Vec(full.data(), device_, kF32, &u.full);
     if (shards_ > 1) {
-      Collective(CAI_COMM_ALL_GATHER, &in, &out);
+      RunCollective(CAI_COMM_ALL_GATHER, &in, out, false);
     } else {
-      Kernel(CAI_KERNEL_COPY, &in, out);
+      RunKernel(CAI_KERNEL_COPY, &in, out);
     }
     return full;
   }
@@ -613,7 +593,7 @@ class Fsdp {
     u.gathered = Alloc(u.full, "fsdp.gathered", false);
     cai_tensor in = Vec(F32(params_, u.base), device_, kF32, &u.shard);
     cai_tensor out = Vec(u.gathered.data(), device_, kF32, &u.full);
-    u.prefetch = Collective(CAI_COMM_ALL_GATHER, &in, &out, /*async=*/true);
+    u.prefetch = RunCollective(CAI_COMM_ALL_GATHER, &in, out, true);
   }
 
   // The unit's .grad become views of a zeroed flat buffer laid out like its parameter.
@@ -634,11 +614,11 @@ class Fsdp {
     if (shards_ > 1) {
       Buffer part = Alloc(u.shard, "fsdp.reduce_scatter", false);
       cai_tensor out = Vec(part.data(), device_, kF32, &u.shard);
-      Collective(CAI_COMM_REDUCE_SCATTER, &full, &out);
-      Kernel(CAI_KERNEL_AXPY, &out, mine, nullptr, 1.0);
+      RunCollective(CAI_COMM_REDUCE_SCATTER, &full, out, false);
+      RunKernel(CAI_KERNEL_AXPY, &out, mine, 1.0);
     } else {
-      if (world_ > 1) Collective(CAI_COMM_ALL_REDUCE, nullptr, &full);
-      Kernel(CAI_KERNEL_AXPY, &full, mine, nullptr, 1.0);
+      if (world_ > 1) RunCollective(CAI_COMM_ALL_REDUCE, nullptr, full, false);
+      RunKernel(CAI_KERNEL_AXPY, &full, mine, 1.0);
     }
     u.grads = Buffer();
   }

@@ -68,36 +68,26 @@ class Ddp {
     using cai::sdk::BoolKey;
     using cai::sdk::FloatKey;
     using cai::sdk::IntKey;
-    static constexpr cai_config_key kKeys[] = {
-        BoolKey("broadcast_buffers", "true",
-                "Broadcast rank 0's buffers (running statistics) before every forward."),
-        FloatKey("bucket_cap_mb", "25",
-                 "Gradient bucket size in MiB; each bucket is all-reduced as soon as its last "
-                 "gradient is ready (the first bucket is capped at 1 MiB to start early).",
-                 0, 0, CAI_CONFIG_HAS_MIN),
-        BoolKey("find_unused_parameters", "false",
-                "Allow parameters that get no gradient in a step: their bucket slots count as "
-                "zero and a parameter unused on every rank is not updated."),
-        BoolKey("gradient_as_bucket_view", "false",
+    static constexpr auto kKeys = cai::sdk::JoinKeys(
+        std::array{
+            BoolKey("broadcast_buffers", "true",
+                    "Broadcast rank 0's buffers (running statistics) before every forward."),
+            FloatKey("bucket_cap_mb", "25",
+                     "Gradient bucket size in MiB; each bucket is all-reduced as soon as its last "
+                     "gradient is ready (the first bucket is capped at 1 MiB to start early).",
+                     0, 0, CAI_CONFIG_HAS_MIN),
+            BoolKey("find_unused_parameters", "false",
+                    "Allow parameters that get no gradient in a step: their bucket slots count as "
+                    "zero and a parameter unused on every rank is not updated."),
+            BoolKey(
+                "gradient_as_bucket_view", "false",
                 "Make each .grad a view into its bucket: no copy into or out of the buckets and "
                 "one gradient-sized buffer less."),
-        BoolKey("static_graph", "false",
-                "The set of used parameters never changes: learn the unused ones in the first "
-                "step and mark them ready at the start of backward, so their buckets overlap."),
-        FloatKey("initial_scale", "65536.0", "fp16: initial loss scale.", 1, 0, CAI_CONFIG_HAS_MIN),
-        FloatKey("growth_factor", "2.0",
-                 "fp16: scale multiplier after growth_interval clean steps.", 1, 0,
-                 CAI_CONFIG_HAS_MIN),
-        FloatKey("backoff_factor", "0.5", "fp16: scale multiplier after hysteresis overflows.", 0,
-                 1, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
-        IntKey("growth_interval", "1000", "fp16: clean steps before the scale grows.", 1, 0,
-               CAI_CONFIG_HAS_MIN),
-        IntKey("hysteresis", "2", "fp16: overflowing steps tolerated before the scale shrinks.", 1,
-               0, CAI_CONFIG_HAS_MIN),
-        FloatKey("min_scale", "1.0", "fp16: smallest loss scale.", 0, 0, CAI_CONFIG_HAS_MIN),
-        FloatKey("max_scale", "4294967296.0", "fp16: largest loss scale.", 1, 0,
-                 CAI_CONFIG_HAS_MIN),
-    };
+            BoolKey("static_graph", "false",
+                    "The set of used parameters never changes: learn the unused ones in the first "
+                    "step and mark them ready at the start of backward, so their buckets overlap."),
+        },
+        cai::sdk::LossScalerKeys("65536.0", "fp16: initial loss scale."));
     return kKeys;
   }
 

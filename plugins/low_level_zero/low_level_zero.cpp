@@ -88,52 +88,45 @@ class LowLevelZero {
     using cai::sdk::IntKey;
     using cai::sdk::StringKey;
     static constexpr const char* kCommDtypes[] = {"compute", "fp32", "bf16", "fp16", nullptr};
-    static constexpr cai_config_key kKeys[] = {
-        IntKey("stage", "1",
-               "1: optimizer states (and fp32 masters) sharded, full gradients kept so no_sync "
-               "accumulates without communication; 2: gradients sharded too, reduce-scattered "
-               "every micro-batch.",
-               1, 2, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
-        FloatKey("reduce_bucket_size_in_m", "12",
-                 "Gradient bucket size in millions (2^20) of elements; each bucket is "
-                 "reduce-scattered as soon as its last gradient is ready and all-gathered after "
-                 "the step.",
-                 0, 0, CAI_CONFIG_HAS_MIN),
-        BoolKey("overlap_communication", "true",
-                "Reduce-scatter each bucket asynchronously during backward; off: all buckets "
-                "after backward, one at a time."),
-        StringKey("communication_dtype", "\"compute\"",
-                  "dtype gradients are reduced in: compute (the training precision), fp32, bf16 "
-                  "or fp16.",
-                  kCommDtypes),
-        BoolKey("overlap_allgather", "false",
-                "All-gather the updated parameters asynchronously after the step and wait for "
-                "them before the next forward (or evaluation, or checkpoint)."),
-        BoolKey("cpu_offload", "false",
+    static constexpr auto kKeys = cai::sdk::JoinKeys(
+        std::array{
+            IntKey("stage", "1",
+                   "1: optimizer states (and fp32 masters) sharded, full gradients kept so no_sync "
+                   "accumulates without communication; 2: gradients sharded too, reduce-scattered "
+                   "every micro-batch.",
+                   1, 2, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
+            FloatKey(
+                "reduce_bucket_size_in_m", "12",
+                "Gradient bucket size in millions (2^20) of elements; each bucket is "
+                "reduce-scattered as soon as its last gradient is ready and all-gathered after "
+                "the step.",
+                0, 0, CAI_CONFIG_HAS_MIN),
+            BoolKey("overlap_communication", "true",
+                    "Reduce-scatter each bucket asynchronously during backward; off: all buckets "
+                    "after backward, one at a time."),
+            StringKey(
+                "communication_dtype", "\"compute\"",
+                "dtype gradients are reduced in: compute (the training precision), fp32, bf16 "
+                "or fp16.",
+                kCommDtypes),
+            BoolKey("overlap_allgather", "false",
+                    "All-gather the updated parameters asynchronously after the step and wait for "
+                    "them before the next forward (or evaluation, or checkpoint)."),
+            BoolKey(
+                "cpu_offload", "false",
                 "Keep fp32 master weights and optimizer state on the host tier; the host's fused "
                 "CPU optimizer updates them from a pinned copy of the gradient shard."),
-        BoolKey("master_weights", "true",
-                "bf16/fp16: keep fp32 master weights of the shard. false: update the 16-bit "
-                "parameters in place (less memory, rounding every step)."),
-        FloatKey("initial_scale", "4294967296.0", "fp16: initial loss scale (2^32).", 1, 0,
-                 CAI_CONFIG_HAS_MIN),
-        FloatKey("growth_factor", "2.0",
-                 "fp16: scale multiplier after growth_interval clean steps.", 1, 0,
-                 CAI_CONFIG_HAS_MIN),
-        FloatKey("backoff_factor", "0.5", "fp16: scale multiplier after hysteresis overflows.", 0,
-                 1, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
-        IntKey("growth_interval", "1000", "fp16: clean steps before the scale grows.", 1, 0,
-               CAI_CONFIG_HAS_MIN),
-        IntKey("hysteresis", "2", "fp16: overflowing steps tolerated before the scale shrinks.", 1,
-               0, CAI_CONFIG_HAS_MIN),
-        FloatKey("min_scale", "1.0", "fp16: smallest loss scale.", 0, 0, CAI_CONFIG_HAS_MIN),
-        FloatKey("max_scale", "4294967296.0", "fp16: largest loss scale (2^32).", 1, 0,
-                 CAI_CONFIG_HAS_MIN),
-        FloatKey("max_norm", "0.0",
-                 "Clip gradients to this global L2 norm, computed across shards (0 = use "
-                 "optimizer.max_grad_norm).",
-                 0, 0, CAI_CONFIG_HAS_MIN),
-    };
+            BoolKey("master_weights", "true",
+                    "bf16/fp16: keep fp32 master weights of the shard. false: update the 16-bit "
+                    "parameters in place (less memory, rounding every step)."),
+        },
+        cai::sdk::LossScalerKeys("4294967296.0", "fp16: initial loss scale (2^32)."),
+        std::array{
+            FloatKey("max_norm", "0.0",
+                     "Clip gradients to this global L2 norm, computed across shards (0 = use "
+                     "optimizer.max_grad_norm).",
+                     0, 0, CAI_CONFIG_HAS_MIN),
+        });
     return kKeys;
   }
 

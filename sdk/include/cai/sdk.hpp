@@ -28,6 +28,7 @@
 #define CAI_SDK_HPP_
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstring>
 #include <new>
@@ -165,6 +166,37 @@ constexpr cai_config_key FloatKey(const char* name, const char* def, const char*
 constexpr cai_config_key StringKey(const char* name, const char* def, const char* doc,
                                    const char* const* choices = nullptr) {
   return {CAI_CONFIG_KEY_STRUCT_SIZE, nullptr, name, CAI_CONFIG_STRING, def, doc, choices, 0, 0, 0};
+}
+
+// Concatenates key lists, for a schema made of a plugin's own keys and shared sets such as
+// LossScalerKeys: `static constexpr auto kKeys = JoinKeys(std::array{...}, LossScalerKeys(...));`
+template <size_t... N>
+constexpr std::array<cai_config_key, (N + ...)> JoinKeys(
+    const std::array<cai_config_key, N>&... lists) {
+  std::array<cai_config_key, (N + ...)> out{};
+  size_t i = 0;
+  ((std::copy(lists.begin(), lists.end(), out.begin() + i), i += N), ...);
+  return out;
+}
+
+// The fp16 loss scaler's keys that LossScalerConfig reads, with ColossalAI's defaults except
+// initial_scale, whose default (and its doc) each plugin chooses.
+constexpr std::array<cai_config_key, 7> LossScalerKeys(const char* initial_scale,
+                                                       const char* initial_scale_doc) {
+  return {
+      FloatKey("initial_scale", initial_scale, initial_scale_doc, 1, 0, CAI_CONFIG_HAS_MIN),
+      FloatKey("growth_factor", "2.0", "fp16: scale multiplier after growth_interval clean steps.",
+               1, 0, CAI_CONFIG_HAS_MIN),
+      FloatKey("backoff_factor", "0.5", "fp16: scale multiplier after hysteresis overflows.", 0, 1,
+               CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
+      IntKey("growth_interval", "1000", "fp16: clean steps before the scale grows.", 1, 0,
+             CAI_CONFIG_HAS_MIN),
+      IntKey("hysteresis", "2", "fp16: overflowing steps tolerated before the scale shrinks.", 1, 0,
+             CAI_CONFIG_HAS_MIN),
+      FloatKey("min_scale", "1.0", "fp16: smallest loss scale.", 0, 0, CAI_CONFIG_HAS_MIN),
+      FloatKey("max_scale", "4294967296.0", "fp16: largest loss scale (2^32).", 1, 0,
+               CAI_CONFIG_HAS_MIN),
+  };
 }
 
 // ---- RAII handles -------------------------------------------------------------------------

@@ -1,71 +1,89 @@
 // libcai_fsdp: fully sharded data parallelism (ZeRO-3, Rajbhandari et al. 2020), as PyTorch's
-// FullyShardedDataParallel and ColossalAI's TorchFSDPPlugin.
+// FullyShardedDataParallel and ColossalAI's TorchFSDPPlugin, without the two limits ColossalAI
+// documents for it: checkpoints are sharded, and several parameter groups train.
 //
-// Wrapping (auto_wrap = "block", PyTorch's transformer_auto_wrap_policy): every transformer
+// Wrapping. auto_wrap = "block" (PyTorch's transformer_auto_wrap_policy): every transformer
 // block the model service exposes is one unit; every other trainable parameter (embeddings,
 // final norm, the head, a parameter in no unit) belongs to the root unit. The root holds the
 // tied GPT-2 embedding, which the head reads as well as the embedding, so it stays gathered
 // from the start of forward to the end of backward, as PyTorch's root FSDP instance does.
-// auto_wrap = "none" puts every parameter in the root: one flat parameter, DDP's memory.
+// auto_wrap = "size" (size_based_auto_wrap_policy) merges consecutive blocks until each unit
+// holds at least min_num_params elements; "none" puts every parameter in the root: one flat
+// parameter, DDP's memory.
 //
-// Layout: a unit's trainable parameters, concatenated in registration order, form its flat
-// parameter of Ψ_u elements, padded to N·s_u with s_u = ceil(Ψ_u / N); rank r owns elements
-// [r·s_u, (r+1)·s_u). This rank's shards of all units lie end to end in three fp32 buffers
-// (parameters, gradient sums, optimizer state slots) of S = Σ s_u ≤ Ψ/N + #units elements.
-// Frozen parameters are not sharded: every rank keeps them whole.
+// Groups. A unit is sharded over a shard group of G ranks and replicated over R = N / G
+// replica groups: FULL_SHARD and SHARD_GRAD_OP G = N; NO_SHARD G = 1 (R = N, DDP);
+// HYBRID_SHARD G = shard_group_size (default: the ranks of one node, LOCAL_WORLD_SIZE), so
+// the parameter all-gathers stay inside a node and only a gradient shard's all-reduce
+// crosses nodes.
 //
-// What moves, in order, for one micro-batch (FULL_SHARD):
-//  start      root: all-gather into a fresh flat buffer that the parameters' released
-//             storage is refilled with (model service: replacing a released parameter's
-//             storage refills it in place); gradient buffer of N·s_root zeros that the
-//             parameters' .grad are views of.
-//  PRE_FORWARD(block)    all-gather the block (s_u elements in, N·s_u out), refill.
-//  POST_FORWARD(block)   release the parameters, free the gathered buffer.
-//  PRE_BACKWARD(block)   all-gather again; a zeroed N·s_u gradient buffer for .grad.
-//  POST_BACKWARD(block)  reduce-scatter (SUM) the gradient buffer: this rank's s_u summed
-//                        elements are added into its gradient shard; release, free both.
-//  end        reduce-scatter the root's gradient, release the root.
-// Prefetch (PyTorch's forward_prefetch / BACKWARD_PRE): the next block's all-gather is
-// started asynchronously when a block's forward (backward) begins and waited for in that
-// block's own PRE hook, so it runs behind compute; one block ahead at most, so a prefetching
-// rank holds one more gathered block (4·N·s_u) than the figures below.
-// SHARD_GRAD_OP keeps a block gathered from its forward to the end of its backward (one
-// all-gather less per block). NO_SHARD is one shard per rank (s_u = Ψ_u): the parameters stay
-// views of the local flat copy and gradients are all-reduced instead of reduce-scattered.
+// Layout. A unit's trainable parameters, concatenated in registration order, form its flat
+// parameter of Ψ_u elements, padded to G·s_u with s_u = ceil(Ψ_u / G); shard-group rank r
+// owns elements [r·s_u, (r+1)·s_u). This rank's shards of all units lie end to end in fp32
+// buffers of S = Σ s_u ≤ Ψ/G + #units elements: parameters (the masters under mixed
+// precision), gradient sums and optimizer state slots; cpu_offload puts those three in the
+// host tier. Under bf16/fp16 or cpu_offload a compute-dtype device copy of the parameter
+// shard (S elements) is what the all-gathers read. Frozen parameters are not sharded: every
+// rank keeps them whole.
+//
+// One micro-batch (FULL_SHARD):
+//  start          root: all-gathered and its gradient buffer zeroed.
+//  PRE_FORWARD    all-gather the unit (s_u elements in, G·s_u out, compute dtype) into the
+//                 parameters' released storage (the model service refills a released
+//                 parameter's storage in place, so autograd's saved views stay valid).
+//  POST_FORWARD   release the unit (SHARD_GRAD_OP: keep it for backward).
+//  PRE_BACKWARD   all-gather again; a zeroed G·s_u gradient buffer that .grad are views of.
+//  POST_BACKWARD  reduce-scatter (SUM, in reduce_dtype) over the shard group, all-reduce the
+//                 s_u result over the replica group (HYBRID_SHARD), add it into the fp32
+//                 gradient shard; release.
+//  end            the root's reduction, then its release.
+// Under no_sync (gradient accumulation, every micro-batch but the last) POST_BACKWARD keeps
+// the unit's gradient buffer and the next micro-batch accumulates into it: no reduction, at
+// the price of the unsharded gradients (4Ψ per rank in fp32), as PyTorch's no_sync.
+// Prefetch: forward_prefetch starts the all-gathers of the next prefetch_limit units when a
+// unit's forward begins; backward_prefetch "pre" starts the previous units' when a unit's
+// backward begins, "post" after its gradient reduction (so its memory is freed first). At most
+// prefetch_limit all-gathers are in flight ahead of the running unit.
 //
 // Why SUM: the host weights each rank's loss by rows_on_rank / global_batch / accumulation,
 // so the global-mean gradient is the sum of the local ones (exact with uneven batches too).
 //
-// step: global squared norm of the gradient shards and the per-parameter "got a gradient on
-// some rank" flags travel in one SUM all-reduce; clip coefficient; the host's fused update on
-// this rank's part of each used parameter (a parameter without gradient on every rank is not
-// updated, as torch.optim skips a parameter without .grad). The next forward gathers the
-// updated shards; nothing is re-gathered at step.
+// step: one SUM all-reduce of [squared norm of the gradient shards (replica 0 only: the other
+// replicas hold copies), fp16 overflow flag, per-parameter "got a gradient here"]; the loss
+// scaler's verdict; clip coefficient; the host's fused update of this rank's part of each used
+// parameter (a parameter without gradient on every rank is not updated, as torch.optim skips
+// a parameter without .grad); the compute copy refreshed. The next forward gathers the
+// updated shards.
 //
-// Communication per micro-batch and rank (fp32, counted as bytes handed to the collective):
-//   all-gather 4·(2·Σ_blocks s_u + s_root) (FULL_SHARD; SHARD_GRAD_OP 4·S) ≈ 2 × 4Ψ/N,
-//   reduce-scatter 4·N·S ≈ 4Ψ; i.e. ZeRO-3's 3Ψ of traffic per rank, plus one small
-//   all-reduce of 8·(1 + #trainable parameters) bytes per step.
-// Per-rank memory (pool, DEVICE tier), Ψ trainable elements, k optimizer slots (2 for Adam):
-//   shards (4 + 4 + 4k)·S, plus while a block runs its gathered parameters 4·N·s_u and in
-//   backward its gradient buffer 4·N·s_u, plus the root's 2·4·N·s_root; so
-//   ≤ (8 + 4k)·S + 8·N·(s_root + max s_block) + 4·max s_u.
+// Communication per micro-batch and rank, e the compute dtype's and e_r the reduce dtype's
+// bytes per element: all-gather e·(2·Σ_units s_u + s_root) (SHARD_GRAD_OP e·S) ≈ 2·eΨ/G,
+// reduce-scatter e_r·G·S ≈ e_r·Ψ, HYBRID_SHARD's all-reduce e_r·S: ZeRO-3's 3Ψ of traffic;
+// plus one all-reduce of 8·(2 + #trainable parameters) bytes per step.
+// Per-rank memory, k optimizer slots (2 for Adam): shards (4 + 4 + 4k)·S (+ e·S for the
+// compute copy), plus while a unit runs its gathered parameters e·G·s_u and in backward its
+// gradient buffer e·G·s_u, plus the root's two buffers throughout:
+// ≤ (8 + 4k)·S + 2·e·G·(s_root + max s_u) (+ e·G·prefetch_limit·max s_u with prefetch).
 //
-// Not implemented yet. Refused with "not implemented yet" at create: HYBRID_SHARD,
-// backward_prefetch = "post", cpu_offload = true, auto_wrap = "size"; mixed precision is
-// refused by the host (the manifest declares fp32 only) and again at boost. Missing without a
-// key to ask for them: asynchronous reduce-scatter (only prefetched all-gathers overlap
-// compute), a configurable prefetch depth (one block ahead), no_sync (no CAI_CAP_NO_SYNC:
-// every micro-batch reduce-scatters, exact but moving the gradient bytes once per
-// micro-batch). Activation checkpointing is handled (a recomputed forward keeps the block
-// gathered) but not yet tested. Checkpoints use the reference's full layout ("model/<name>",
-// "optim/<name>/<slot>"): save gathers one unit at a time and rank 0 writes it; load reads
-// only this rank's slice of each tensor, so a checkpoint of any world size or strategy loads
-// at any other. Per-rank sharded checkpoint files are not written yet.
+// Checkpoints. state_dict_type = "sharded" (default): every rank of replica 0 writes its own
+// shards ("fsdp/<unit>/param.<r>", "fsdp/<unit>/state<k>.<r>") and rank 0 an index
+// (meta "fsdp.index": the saved units, their members' offsets and the shard size), so no rank
+// ever holds more than one shard of the model. Load maps every parameter through the index by
+// name and reads only the saved slices that overlap this rank's shard: any world size, shard
+// group or wrapping loads. state_dict_type = "full" writes the consolidated canonical layout
+// ("model/<name>", "optim/<name>/<slot>", the single-process reference's), a unit at a time
+// gathered and written by rank 0, which every strategy loads; load reads either.
+//
+// Not implemented: buffer_dtype (the model service keeps buffers as the model defines them;
+// GPT-2 and Llama here have none that train), asynchronous reduce-scatter (the prefetched
+// all-gathers are what overlaps compute).
 #include <algorithm>
 #include <cai/sdk.hpp>
 #include <cmath>
+#include <cstdlib>
+#include <map>
+#include <optional>
 #include <span>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -74,188 +92,203 @@ namespace {
 using cai::sdk::Buffer;
 using cai::sdk::Check;
 using cai::sdk::Error;
+using cai::sdk::FlatView;
 using cai::sdk::Host;
 using cai::sdk::RunCollective;
 using cai::sdk::RunKernel;
+using cai::sdk::SameDtype;
 
 constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
 constexpr cai_dtype kF64{CAI_DTYPE_FLOAT, 64, 1};
+constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
+constexpr cai_dtype kF16{CAI_DTYPE_FLOAT, 16, 1};
 
 const char* const kShardingStrategies[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
                                            "HYBRID_SHARD", nullptr};
-const char* const kAutoWrap[] = {"block", "none", "size", nullptr};
+const char* const kAutoWrap[] = {"block", "size", "none", nullptr};
 const char* const kBackwardPrefetch[] = {"none", "pre", "post", nullptr};
+const char* const kReduceDtypes[] = {"param", "fp32", "bf16", "fp16", nullptr};
+const char* const kStateDictTypes[] = {"sharded", "full", nullptr};
 
-[[noreturn]] void NotYet(const std::string& what) {
-  throw Error(CAI_UNIMPLEMENTED, "fsdp: " + what + " is not implemented yet");
+size_t Bytes(int64_t numel, cai_dtype dtype) {
+  return static_cast<size_t>(numel) * cai::sdk::ElementSize(dtype);
 }
 
-// A contiguous 1-D descriptor. `shape` must outlive every use of the descriptor (the model
-// and communicator copy what they keep).
-cai_tensor Vec(void* data, cai_device device, cai_dtype dtype, const int64_t* shape) {
-  static int64_t unit_stride = 1;
-  return cai_tensor{data, device, 1, dtype, const_cast<int64_t*>(shape), &unit_stride, 0};
+Buffer Alloc(cai_mem_tier tier, int64_t numel, cai_dtype dtype, const char* tag) {
+  return Buffer::Alloc(tier, std::max<size_t>(Bytes(numel, dtype), 1), tag, /*zero_fill=*/true);
 }
 
-float* F32(const Buffer& b, int64_t offset) { return static_cast<float*>(b.data()) + offset; }
-
-Buffer Alloc(int64_t floats, const char* tag, bool zero_fill) {
-  return Buffer::Alloc(CAI_MEM_DEVICE, static_cast<size_t>(floats) * 4, tag, zero_fill);
+// A view that starts `offset` elements into `base`; `numel` must outlive its uses.
+cai_tensor View(const Buffer& base, cai_dtype dtype, int64_t offset, const int64_t* numel) {
+  return FlatView(base, dtype, static_cast<size_t>(offset), const_cast<int64_t*>(numel));
 }
 
 class Fsdp {
  public:
   static constexpr const char* kName = "fsdp";
-  static constexpr const char* kVersion = "0.1.0";
-  static constexpr uint64_t kCapabilities = CAI_CAP_PRECISION_FP32;
+  static constexpr const char* kVersion = "0.2.0";
+  static constexpr uint64_t kCapabilities = CAI_CAP_PRECISION_FP32 | CAI_CAP_PRECISION_BF16 |
+                                            CAI_CAP_PRECISION_FP16 | CAI_CAP_NO_SYNC |
+                                            CAI_CAP_CPU_OFFLOAD | CAI_CAP_SHARDED_CHECKPOINT;
 
   static std::span<const cai_config_key> ConfigKeys() {
     using cai::sdk::BoolKey;
+    using cai::sdk::IntKey;
     using cai::sdk::StringKey;
-    static constexpr cai_config_key kKeys[] = {
-        StringKey("sharding_strategy", "\"FULL_SHARD\"",
-                  "FULL_SHARD: parameters, gradients and optimizer state sharded; a unit is "
-                  "gathered for its forward and again for its backward. SHARD_GRAD_OP: a unit "
-                  "stays gathered from its forward to the end of its backward. NO_SHARD: "
-                  "replicated, gradients all-reduced (DDP). HYBRID_SHARD: not implemented yet.",
-                  kShardingStrategies),
-        StringKey("auto_wrap", "\"block\"",
-                  "block: one unit per transformer block, the rest in the root unit. none: "
-                  "everything in the root unit. size (by parameter count): not implemented yet.",
-                  kAutoWrap),
-        BoolKey("sync_module_states", "true",
-                "Broadcast rank 0's parameters and buffers at boost, so every rank starts from "
-                "the same weights whatever it loaded."),
-        BoolKey("forward_prefetch", "false",
-                "Start the next block's all-gather when a block's forward begins, so it runs "
-                "behind compute; one block ahead at most (one more block of memory)."),
-        StringKey("backward_prefetch", "\"none\"",
-                  "pre: start the previous block's all-gather when a block's backward begins "
-                  "(FULL_SHARD; one block ahead at most). post (after the block's gradient "
-                  "reduction): not implemented yet.",
-                  kBackwardPrefetch),
-        BoolKey("cpu_offload", "false",
-                "Keep parameter shards in host memory: not implemented yet (true is refused)."),
-    };
+    static constexpr auto kKeys = cai::sdk::JoinKeys(
+        std::array{
+            StringKey("sharding_strategy", "\"FULL_SHARD\"",
+                      "FULL_SHARD: parameters, gradients and optimizer state sharded; a unit is "
+                      "gathered for its forward and again for its backward. SHARD_GRAD_OP: a "
+                      "unit stays gathered from its forward to the end of its backward. "
+                      "NO_SHARD: replicated, gradients all-reduced (DDP). HYBRID_SHARD: "
+                      "FULL_SHARD inside groups of shard_group_size ranks, replicated across "
+                      "them.",
+                      kShardingStrategies),
+            IntKey("shard_group_size", "0",
+                   "HYBRID_SHARD: ranks a unit is sharded over; must divide the world size. "
+                   "0 = the ranks of one node (LOCAL_WORLD_SIZE).",
+                   0, 0, CAI_CONFIG_HAS_MIN),
+            StringKey("auto_wrap", "\"block\"",
+                      "block: one unit per transformer block, the rest (embeddings, final norm, "
+                      "head) in the root unit, gathered throughout. size: consecutive blocks "
+                      "merged until a unit holds min_num_params elements. none: everything in "
+                      "the root unit.",
+                      kAutoWrap),
+            IntKey("min_num_params", "100000000",
+                   "auto_wrap = \"size\": the fewest parameter elements of a unit (PyTorch's "
+                   "size_based_auto_wrap_policy default, 1e8).",
+                   1, 0, CAI_CONFIG_HAS_MIN),
+            BoolKey("sync_module_states", "true",
+                    "Broadcast rank 0's parameters and buffers at boost, so every rank starts "
+                    "from the same weights whatever it loaded."),
+            BoolKey("forward_prefetch", "false",
+                    "Start the next units' all-gathers when a unit's forward begins, so they "
+                    "run behind compute."),
+            StringKey("backward_prefetch", "\"none\"",
+                      "pre: start the previous units' all-gathers when a unit's backward "
+                      "begins. post: after the unit's gradient reduction (its memory freed "
+                      "first). none: gather each unit when its backward begins.",
+                      kBackwardPrefetch),
+            IntKey("prefetch_limit", "1",
+                   "Units gathered ahead of the running one at most, i.e. all-gathers in "
+                   "flight; each costs one gathered unit of memory.",
+                   1, 16, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
+            StringKey("reduce_dtype", "\"param\"",
+                      "dtype gradients are reduced in: param (train.precision's), fp32, bf16 "
+                      "or fp16. Shards accumulate in fp32 whatever it is.",
+                      kReduceDtypes),
+            BoolKey("cpu_offload", "false",
+                    "Keep the sharded fp32 parameters, gradient sums and optimizer state in host "
+                    "memory; the host's CPU optimizer updates them and the compute-dtype shard "
+                    "is copied back to the device after each step."),
+            StringKey("state_dict_type", "\"sharded\"",
+                      "sharded: every rank writes its own shards plus an index (no rank holds "
+                      "the full model); full: the consolidated canonical layout, written by "
+                      "rank 0 a unit at a time. Both load at any world size.",
+                      kStateDictTypes),
+        },
+        cai::sdk::LossScalerKeys("65536.0", "fp16: initial loss scale (2^16, PyTorch's)."));
     return kKeys;
   }
 
-  explicit Fsdp(const cai_create_args& args) {
+  explicit Fsdp(const cai_create_args& args) : rank_(args.rank), world_(args.world_size) {
     cai::sdk::Config config(args.config);
     const std::string strategy = config.String("sharding_strategy");
-    if (strategy == "HYBRID_SHARD") {
-      NotYet("sharding_strategy = \"HYBRID_SHARD\"; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
+    full_shard_ = strategy == "FULL_SHARD" || strategy == "HYBRID_SHARD";
+    sharded_ = strategy != "NO_SHARD";
+    hybrid_ = strategy == "HYBRID_SHARD";
+    strategy_name_ = strategy;
+    shards_ = !sharded_ ? 1 : world_;
+    if (hybrid_) {
+      int64_t g = config.Int("shard_group_size");
+      const char* local = std::getenv("LOCAL_WORLD_SIZE");
+      if (g == 0 && local) g = std::atoll(local);
+      if (g <= 0) {
+        throw Error(CAI_INVALID_ARGUMENT,
+                    "fsdp: HYBRID_SHARD needs plugin.fsdp.shard_group_size (LOCAL_WORLD_SIZE is "
+                    "not set to say how many ranks share a node); set it to the ranks per node");
+      }
+      if (world_ % g != 0) {
+        throw Error(CAI_INVALID_ARGUMENT,
+                    "fsdp: plugin.fsdp.shard_group_size = " + std::to_string(g) +
+                        " does not divide the world size " + std::to_string(world_) +
+                        "; use a divisor of it");
+      }
+      shards_ = g;
     }
-    full_shard_ = strategy == "FULL_SHARD";
-    no_shard_ = strategy == "NO_SHARD";
+    replicas_ = world_ / shards_;
+    shard_index_ = rank_ % shards_;
+    replica_index_ = rank_ / shards_;
     const std::string wrap = config.String("auto_wrap");
-    if (wrap == "size") NotYet("auto_wrap = \"size\"; use \"block\" or \"none\"");
-    wrap_blocks_ = wrap == "block";
+    wrap_ = wrap == "block" ? Wrap::kBlock : wrap == "size" ? Wrap::kSize : Wrap::kNone;
+    min_num_params_ = config.Int("min_num_params");
     sync_module_states_ = config.Bool("sync_module_states");
     forward_prefetch_ = config.Bool("forward_prefetch");
     const std::string backward_prefetch = config.String("backward_prefetch");
-    if (backward_prefetch == "post")
-      NotYet("backward_prefetch = \"post\"; use \"pre\" or \"none\"");
-    backward_prefetch_ = backward_prefetch == "pre";
-    if (config.Bool("cpu_offload")) NotYet("cpu_offload = true; set it to false");
+    backward_prefetch_ = backward_prefetch == "pre"    ? Prefetch::kPre
+                         : backward_prefetch == "post" ? Prefetch::kPost
+                                                       : Prefetch::kNone;
+    prefetch_limit_ = config.Int("prefetch_limit");
+    reduce_dtype_name_ = config.String("reduce_dtype");
+    offload_ = config.Bool("cpu_offload");
+    full_state_dict_ = config.String("state_dict_type") == "full";
+    scaler_config_ = cai::sdk::LossScalerConfig(config, kName);
   }
 
   ~Fsdp() {
+    // Collectives still in flight write into our buffers: finish them before those go.
+    for (Unit& u : units_) u.prefetch = cai::sdk::Work();
     for (uint64_t id : hook_ids_) Host().status_destroy(Host().model->remove_hook(model_, id));
+    Host().comm->destroy_group(shard_group_);
+    Host().comm->destroy_group(replica_group_);
   }
 
   void Boost(const cai_boost_args& args) {
     if (model_) throw Error(CAI_FAILED_PRECONDITION, "fsdp: boost was already called");
-    if (args.precision != CAI_PRECISION_FP32) {
-      NotYet(
-          "mixed precision (train.precision other than fp32); use train.precision = fp32, or "
-          "plugin.name = ddp for bf16/fp16");
-    }
     model_ = args.model;
     optimizer_ = args.optimizer;
+    compute_ = args.precision == CAI_PRECISION_BF16   ? kBF16
+               : args.precision == CAI_PRECISION_FP16 ? kF16
+                                                      : kF32;
+    reduce_ = reduce_dtype_name_ == "fp32"   ? kF32
+              : reduce_dtype_name_ == "bf16" ? kBF16
+              : reduce_dtype_name_ == "fp16" ? kF16
+                                             : compute_;
+    const bool mixed = !SameDtype(compute_, kF32);
     const auto& model = *Host().model;
-    world_ = Host().comm->size(nullptr);
-    shards_ = no_shard_ ? 1 : world_;
-    shard_index_ = no_shard_ ? 0 : Host().comm->rank(nullptr);
+    MakeGroups();
+    PlanUnits();
 
-    // Which unit each trainable parameter joins: its block, or the root.
-    const uint32_t num_params = model.num_params(model_);
-    std::vector<int32_t> unit_of(num_params, -1);
-    std::vector<int32_t> unit_index(model.num_units(model_), -1);
-    units_.emplace_back().name = "root";
-    for (uint32_t u = 0; u < model.num_units(model_); ++u) {
-      cai_unit_info info{};
-      info.struct_size = CAI_UNIT_INFO_STRUCT_SIZE;
-      Check(model.unit_info(model_, u, &info));
-      if (!wrap_blocks_ || info.kind != CAI_UNIT_BLOCK) continue;
-      unit_index[u] = static_cast<int32_t>(units_.size());
-      Unit& unit = units_.emplace_back();
-      unit.model_unit = static_cast<int32_t>(u);
-      unit.name = info.name;
-      for (uint32_t k = 0; k < info.num_params; ++k) unit_of[info.params[k]] = unit_index[u];
+    const cai_mem_tier state_tier = offload_ ? CAI_MEM_HOST : CAI_MEM_DEVICE;
+    params_ = Alloc(state_tier, shard_numel_, kF32, "fsdp.param_shard");
+    grads_ = Alloc(state_tier, shard_numel_, kF32, "fsdp.grad_shard");
+    for (uint32_t k = 0; k < cai::sdk::MaxStateSlots(optimizer_); ++k) {
+      state_.push_back(Alloc(state_tier, shard_numel_, kF32, "fsdp.optim_state"));
     }
-    member_of_param_.assign(num_params, -1);
-    for (uint32_t i = 0; i < num_params; ++i) {
-      const cai_param_info info = ParamInfo(i);
-      if (info.dtype.code != kF32.code || info.dtype.bits != 32) {
-        throw Error(CAI_FAILED_PRECONDITION, std::string("fsdp: parameter '") + info.name +
-                                                 "' is not fp32 at boost; save the model in fp32");
-      }
-      if (info.tied_to >= 0) continue;
-      if (!(info.flags & CAI_PARAM_REQUIRES_GRAD)) {
-        frozen_.push_back(i);
-        continue;
-      }
-      Unit& unit = units_[unit_of[i] < 0 ? 0 : unit_of[i]];
-      member_of_param_[i] = static_cast<int32_t>(num_members_++);
-      unit.members.push_back({i, info.group, info.numel, unit.numel, member_of_param_[i]});
-      unit.numel += info.numel;
-    }
-    // Units without trainable parameters need nothing from us.
-    std::erase_if(units_, [](const Unit& u) { return u.model_unit >= 0 && u.members.empty(); });
-    unit_of_model_unit_.assign(model.num_units(model_), -1);
-    int64_t total = 0;
-    for (size_t k = 0; k < units_.size(); ++k) {
-      Unit& u = units_[k];
-      if (u.model_unit >= 0) unit_of_model_unit_[u.model_unit] = static_cast<int32_t>(k);
-      u.shard = (u.numel + shards_ - 1) / shards_;
-      u.full = u.shard * shards_;
-      u.base = total;
-      total += u.shard;
-      psi_ += u.numel;
-    }
-    shard_numel_ = total;
-    if (psi_ == 0) {
-      throw Error(CAI_FAILED_PRECONDITION,
-                  "fsdp: the model has no trainable parameters; unfreeze some (model.freeze)");
+    cai_tensor probe = View(params_, kF32, 0, &shard_numel_);
+    state_device_ = probe.device;
+    if (mixed || offload_) {
+      compute_shard_ = Alloc(CAI_MEM_DEVICE, shard_numel_, compute_, "fsdp.param_compute");
+      device_ = View(compute_shard_, compute_, 0, &shard_numel_).device;
+    } else {
+      device_ = state_device_;
     }
 
-    uint32_t slots = 0;
-    for (uint32_t g = 0; g < Host().optimizer->num_groups(optimizer_); ++g) {
-      slots = std::max(slots, GroupInfo(g).state_slots);
-    }
-    params_ = Alloc(total, "fsdp.param_shard", true);
-    grads_ = Alloc(total, "fsdp.grad_shard", true);
-    for (uint32_t k = 0; k < slots; ++k) state_.push_back(Alloc(total, "fsdp.optim_state", true));
-    cai_tensor probe{};
-    Check(Host().mempool->view(params_.get(), kF32, &probe));
-    device_ = probe.device;
-
-    // Each unit in turn: its flat parameter assembled (from rank 0 with sync_module_states),
-    // this rank's shard kept, the model's parameters re-homed and, when sharded, released.
+    // Each unit in turn: its flat fp32 parameter assembled (from rank 0 with
+    // sync_module_states) and this rank's shard kept.
     for (Unit& u : units_) {
       if (u.members.empty()) continue;  // a root without parameters
-      Buffer flat = Alloc(u.full, "fsdp.gathered", true);
+      Buffer flat = Alloc(CAI_MEM_DEVICE, u.full, kF32, "fsdp.gathered");
       for (const Member& m : u.members) {
         cai_tensor data{};
         Check(model.param_data(model_, m.param, &data));
-        RunKernel(CAI_KERNEL_COPY, &data, Vec(F32(flat, m.offset), device_, kF32, &m.numel));
+        RunKernel(CAI_KERNEL_COPY, &data, View(flat, kF32, m.offset, &m.numel));
       }
-      if (sync_module_states_ && world_ > 1) Broadcast(Vec(flat.data(), device_, kF32, &u.full));
-      Check(Host().mempool->copy(F32(params_, u.base), F32(flat, shard_index_ * u.shard),
-                                 static_cast<size_t>(u.shard) * 4, nullptr));
-      PointParams(u, no_shard_ ? params_ : flat, no_shard_ ? u.base : 0);
-      if (!no_shard_) ReleaseParams(u);
+      if (sync_module_states_ && world_ > 1) Broadcast(View(flat, kF32, 0, &u.full));
+      Check(Host().mempool->copy(static_cast<float*>(params_.data()) + u.base,
+                                 static_cast<float*>(flat.data()) + shard_index_ * u.shard,
+                                 Bytes(u.shard, kF32), nullptr));
     }
     if (sync_module_states_ && world_ > 1) {
       for (uint32_t i : frozen_) {
@@ -269,92 +302,116 @@ class Fsdp {
         Broadcast(data);
       }
     }
+    // The model casts its (still whole) parameters to the compute dtype; ours are then views
+    // of the compute copy (NO_SHARD) or released until their unit is gathered.
+    if (mixed) Check(model.set_compute_dtype(model_, compute_));
+    RefreshComputeShard();
+    for (Unit& u : units_) {
+      if (sharded_) {
+        ReleaseParams(u);
+      } else {
+        PointParams(u, compute_shard_.get() ? compute_shard_ : params_, u.base);
+      }
+    }
+    if (args.precision == CAI_PRECISION_FP16) scaler_.emplace(scaler_config_);
     used_.assign(num_members_, 0);
 
-    const struct {
-      cai_hook_kind kind;
-      cai_hook_fn fn;
-    } hooks[] = {{CAI_HOOK_PRE_FORWARD, &Fsdp::OnUnitHook},
-                 {CAI_HOOK_POST_FORWARD, &Fsdp::OnUnitHook},
-                 {CAI_HOOK_PRE_BACKWARD, &Fsdp::OnUnitHook},
-                 {CAI_HOOK_POST_BACKWARD, &Fsdp::OnUnitHook},
-                 {CAI_HOOK_GRAD_READY, &Fsdp::OnUnitHook}};
-    for (const auto& h : hooks) {
+    const cai_hook_kind kinds[] = {CAI_HOOK_PRE_FORWARD, CAI_HOOK_POST_FORWARD,
+                                   CAI_HOOK_PRE_BACKWARD, CAI_HOOK_POST_BACKWARD,
+                                   CAI_HOOK_GRAD_READY};
+    for (cai_hook_kind kind : kinds) {
       cai_hook_args hook{};
       hook.struct_size = CAI_HOOK_ARGS_STRUCT_SIZE;
-      hook.kind = h.kind;
+      hook.kind = kind;
       hook.unit = -1;
       hook.param = -1;
-      hook.fn = h.fn;
+      hook.fn = &Fsdp::OnUnitHook;
       hook.user_data = this;
       Check(model.register_hook(model_, &hook, &hook_ids_.emplace_back()));
     }
 
-    int64_t largest = 0;
-    for (const Unit& u : units_) largest = std::max(largest, u.numel);
-    cai::sdk::Log(CAI_LOG_INFO,
-                  std::string("fsdp: ") +
-                      (full_shard_ ? "FULL_SHARD"
-                       : no_shard_ ? "NO_SHARD"
-                                   : "SHARD_GRAD_OP") +
-                      ", " + std::to_string(units_.size()) + " units (root + " +
-                      std::to_string(units_.size() - 1) + " blocks), " + std::to_string(psi_) +
-                      " trainable elements, " + std::to_string(shard_numel_) +
-                      " in this rank's shards, largest unit " + std::to_string(largest) + " on " +
-                      std::to_string(world_) + " ranks");
+    std::ostringstream layout;
+    layout << "fsdp: " << strategy_name_ << ", " << Name(compute_) << " compute, " << Name(reduce_)
+           << " reduce, " << shards_ << " shards x " << replicas_ << " replicas, " << psi_
+           << " trainable elements, " << shard_numel_ << " in this rank's shards; unit sizes:";
+    for (const Unit& u : units_) layout << " " << u.name << "=" << u.numel;
+    cai::sdk::Log(CAI_LOG_INFO, layout.str());
   }
+
+  void NoSync(bool enabled) { no_sync_ = enabled; }
 
   void ForwardBackward(const cai_micro_batch& batch) {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "fsdp: forward_backward before boost");
     Unit& root = units_[0];
+    in_backward_ = false;
     Gather(root);
     BeginGrads(root);
     backward_ = true;
-    Check(RunModel(batch, true));
-    // A block whose backward never ended (no gradient reached it) is reduced here, in unit
+    cai_status* status = cai::sdk::Guard(
+        [&] { cai::sdk::RunMicroBatch(model_, batch, true, scaler_ ? scaler_->scale() : 1.0); });
+    Check(status);
+    // A unit whose backward never ended (no gradient reached it) is reduced here, in unit
     // order, which every rank shares.
     for (Unit& u : units_) {
-      if (u.grads.get()) ReduceGrads(u);
+      if (!no_sync_ && u.grads.get()) ReduceGrads(u);
       ReleaseParams(u);
     }
   }
 
   void Evaluate(const cai_micro_batch& batch) {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "fsdp: evaluate before boost");
+    in_backward_ = false;
     Gather(units_[0]);
     backward_ = false;
-    cai_status* status = RunModel(batch, false);
+    cai_status* status = cai::sdk::Guard([&] { cai::sdk::RunMicroBatch(model_, batch, false); });
     for (Unit& u : units_) ReleaseParams(u);
     Check(status);
   }
 
   void Step(cai_step_result& result) {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "fsdp: step before boost");
-    // [0]: squared norm of this rank's gradient shards (counted once under NO_SHARD, where
-    // every rank holds the whole); [1 + member]: ranks on which the parameter got a gradient.
-    std::vector<double> sums(1 + num_members_, 0.0);
-    if (!no_shard_ || Host().comm->rank(nullptr) == 0) {
-      RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, Vec(grads_.data(), device_, kF32, &shard_numel_),
-                0, &sums[0]);
+    // Gradients accumulated under no_sync and never reduced by a synchronised micro-batch.
+    for (Unit& u : units_) {
+      if (u.grads.get()) ReduceGrads(u);
     }
-    for (size_t m = 0; m < num_members_; ++m) sums[1 + m] = used_[m];
+    // [0] squared norm of the gradient shards, replica 0's only (the others hold copies);
+    // [1] fp16 overflow on some rank; [2 + member] ranks the parameter got a gradient on.
+    std::vector<double> sums(2 + num_members_, 0.0);
+    const cai_tensor grads = View(grads_, kF32, 0, &shard_numel_);
+    if (replica_index_ == 0) RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, grads, 0, &sums[0]);
+    if (scaler_) {
+      double finite = 0;
+      RunKernel(CAI_KERNEL_ALL_FINITE, nullptr, grads, 0, &finite);
+      sums[1] = finite == 1.0 ? 0 : 1;
+    }
+    for (size_t m = 0; m < num_members_; ++m) sums[2 + m] = used_[m];
     if (world_ > 1) {
       // In the communicator's memory (device memory under NCCL).
       const int64_t n = static_cast<int64_t>(sums.size());
-      Buffer travel = Buffer::Alloc(CAI_MEM_DEVICE, sums.size() * 8, "fsdp.step_sums");
+      Buffer travel = Alloc(CAI_MEM_DEVICE, n, kF64, "fsdp.step_sums");
       Check(Host().mempool->copy(travel.data(), sums.data(), sums.size() * 8, nullptr));
-      cai_tensor t = Vec(travel.data(), device_, kF64, &n);
-      RunCollective(CAI_COMM_ALL_REDUCE, nullptr, t, false);
+      RunCollective(CAI_COMM_ALL_REDUCE, nullptr, View(travel, kF64, 0, &n), false);
       Check(Host().mempool->copy(sums.data(), travel.data(), sums.size() * 8, nullptr));
     }
-    const double norm = std::sqrt(sums[0]);
-    const double clip = Host().optimizer->clip_coefficient(optimizer_, norm);
+    const double scale = scaler_ ? scaler_->scale() : 1.0;
+    if (scaler_ && scaler_->Update(sums[1] > 0)) {
+      result.skipped = true;
+      result.grad_norm = INFINITY;
+      result.loss_scale = scaler_->scale();
+      result.lr = Host().optimizer->lr_at(optimizer_, 0, step_ + 1);
+      cai::sdk::Log(CAI_LOG_INFO, "fsdp: inf/nan in the fp16 gradients; step skipped, loss scale " +
+                                      std::to_string(scale) + " -> " +
+                                      std::to_string(scaler_->scale()));
+      return;
+    }
+    const double norm = std::sqrt(sums[0]) / scale;
+    const double grad_scale = Host().optimizer->clip_coefficient(optimizer_, norm) / scale;
     ++step_;
     // Each used parameter's part of this rank's shard of its unit.
     for (const Unit& u : units_) {
       const int64_t lo = shard_index_ * u.shard, hi = lo + u.shard;
       for (const Member& m : u.members) {
-        if (sums[1 + m.index] == 0) continue;
+        if (sums[2 + m.index] == 0) continue;
         const int64_t a = std::max(lo, m.offset), b = std::min(hi, m.offset + m.numel);
         if (a >= b) continue;
         const int64_t at = u.base + (a - lo);
@@ -362,130 +419,130 @@ class Fsdp {
         up.struct_size = CAI_OPTIM_UPDATE_ARGS_STRUCT_SIZE;
         up.optimizer = optimizer_;
         up.group = m.group;
-        up.param = F32(params_, at);
-        up.grad = F32(grads_, at);
+        up.param = static_cast<float*>(params_.data()) + at;
+        up.grad = static_cast<float*>(grads_.data()) + at;
         up.grad_dtype = kF32;
-        for (uint32_t k = 0; k < GroupInfo(m.group).state_slots; ++k) {
-          up.state[k] = F32(state_[k], at);
+        for (uint32_t k = 0; k < cai::sdk::StateSlots(optimizer_, m.group); ++k) {
+          up.state[k] = static_cast<float*>(state_[k].data()) + at;
         }
         up.numel = static_cast<size_t>(b - a);
         up.step = step_;
         up.lr = Host().optimizer->lr_at(optimizer_, m.group, step_);
-        up.grad_scale = clip;
-        up.device = device_;
+        up.grad_scale = grad_scale;
+        up.device = state_device_;
         Check(Host().optimizer->update(&up));
       }
     }
+    RefreshComputeShard();
     result.skipped = false;
     result.grad_norm = norm;
-    result.loss_scale = 1.0;
+    result.loss_scale = scaler_ ? scaler_->scale() : 1.0;
     result.lr = Host().optimizer->lr_at(optimizer_, 0, step_);
   }
 
   void ZeroGrad() {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "fsdp: zero_grad before boost");
-    RunKernel(CAI_KERNEL_FILL, nullptr, Vec(grads_.data(), device_, kF32, &shard_numel_));
+    // Gradients accumulated under no_sync and never stepped are dropped as asked.
+    for (Unit& u : units_) {
+      if (!u.grads.get()) continue;
+      for (const Member& m : u.members) Check(Host().model->release_grad(model_, m.param));
+      u.grads = Buffer();
+    }
+    RunKernel(CAI_KERNEL_FILL, nullptr, View(grads_, kF32, 0, &shard_numel_));
     std::fill(used_.begin(), used_.end(), 0);
   }
 
-  // The reference's full layout, one unit gathered at a time; rank 0 writes.
   void Save(const cai_checkpoint_args& args) {
-    const auto& ckpt = *Host().checkpoint;
-    const bool writer = Host().comm->rank(nullptr) == 0;
-    auto write_unit = [&](const Unit& u, const Buffer& shards, const std::string& suffix) {
-      if (u.members.empty()) return;
-      Buffer full = GatherCopy(u, shards);
-      if (!writer) return;
-      for (const Member& m : u.members) {
-        const cai_param_info info = ParamInfo(m.param);
-        std::vector<int64_t> shape(info.shape, info.shape + info.ndim), strides(info.ndim, 1);
-        for (int32_t d = info.ndim - 1; d > 0; --d) strides[d - 1] = strides[d] * shape[d];
-        cai_tensor t{F32(full, m.offset), device_,        info.ndim, kF32,
-                     shape.data(),        strides.data(), 0};
-        const std::string name = suffix.empty() ? std::string("model/") + info.name
-                                                : std::string("optim/") + info.name + suffix;
-        if (!suffix.empty()) t = Vec(t.data, device_, kF32, &m.numel);
-        Check(ckpt.write_tensor(args.checkpoint, name.c_str(), &t));
-      }
-    };
-    if (args.model) {
-      for (const Unit& u : units_) write_unit(u, params_, "");
-      if (writer) {
-        for (uint32_t i : frozen_) {
-          cai_tensor data{};
-          Check(Host().model->param_data(model_, i, &data));
-          Check(ckpt.write_tensor(args.checkpoint, ("model/" + Name(i)).c_str(), &data));
-        }
-      }
+    if (full_state_dict_) {
+      SaveFull(args);
+    } else {
+      SaveSharded(args);
     }
-    if (args.optimizer) {
-      for (size_t k = 0; k < state_.size(); ++k) {
-        for (const Unit& u : units_) write_unit(u, state_[k], "/" + std::to_string(k));
-      }
-      if (writer) Check(ckpt.write_meta(args.checkpoint, "fsdp.step", Str(step_).c_str()));
-    }
-  }
-
-  // Reads only this rank's slice of each tensor, so any saved world size loads.
-  void Load(const cai_checkpoint_args& args) {
-    const auto& ckpt = *Host().checkpoint;
-    auto read_unit = [&](const Unit& u, const Buffer& shards, const std::string& suffix) {
-      const int64_t lo = shard_index_ * u.shard, hi = lo + u.shard;
-      for (const Member& m : u.members) {
-        const int64_t a = std::max(lo, m.offset), b = std::min(hi, m.offset + m.numel);
-        if (a >= b) continue;
-        const int64_t count = b - a;
-        cai_tensor dst = Vec(F32(shards, u.base + (a - lo)), device_, kF32, &count);
-        const std::string name =
-            suffix.empty() ? "model/" + Name(m.param) : "optim/" + Name(m.param) + suffix;
-        Check(ckpt.read_tensor(args.checkpoint, name.c_str(), a - m.offset, count, &dst));
-      }
-    };
-    if (args.model) {
-      for (const Unit& u : units_) read_unit(u, params_, "");
+    if (rank_ == 0 && args.model) {
       for (uint32_t i : frozen_) {
         cai_tensor data{};
         Check(Host().model->param_data(model_, i, &data));
-        Check(ckpt.read_tensor(args.checkpoint, ("model/" + Name(i)).c_str(), 0, 0, &data));
+        cai::sdk::WriteAsFp32(args.checkpoint, "model/" + ParamName(i), data);
       }
     }
-    if (args.optimizer) {
-      for (size_t k = 0; k < state_.size(); ++k) {
-        for (const Unit& u : units_) read_unit(u, state_[k], "/" + std::to_string(k));
+    if (rank_ == 0 && args.optimizer) {
+      Check(Host().checkpoint->write_meta(args.checkpoint, "fsdp.step",
+                                          std::to_string(step_).c_str()));
+      if (scaler_) cai::sdk::SaveLossScalerState(*scaler_, args.checkpoint, "fsdp.loss_scaler");
+    }
+  }
+
+  void Load(const cai_checkpoint_args& args) {
+    const std::optional<std::string> index = TryMeta(args.checkpoint, "fsdp.index");
+    if (index) {
+      LoadSharded(args, *index);
+    } else {
+      LoadFull(args);
+    }
+    if (args.model) {
+      for (uint32_t i : frozen_) {
+        cai_tensor data{};
+        Check(Host().model->param_data(model_, i, &data));
+        Check(Host().checkpoint->read_tensor(args.checkpoint, ("model/" + ParamName(i)).c_str(), 0,
+                                             0, &data));
       }
-      const char* step = nullptr;
-      Check(ckpt.read_meta(args.checkpoint, "fsdp.step", &step));
-      step_ = std::stoll(step);
+      RefreshComputeShard();
+    }
+    if (args.optimizer) {
+      const std::optional<std::string> step = TryMeta(args.checkpoint, "fsdp.step");
+      if (!step) {
+        throw Error(CAI_NOT_FOUND,
+                    "fsdp: the checkpoint has no meta 'fsdp.step', so it was not written by "
+                    "fsdp; load its model only (checkpoint.load_optimizer = false)");
+      }
+      step_ = std::stoll(*step);
+      if (scaler_ && TryMeta(args.checkpoint, "fsdp.loss_scaler")) {
+        cai::sdk::LoadLossScalerState(*scaler_, args.checkpoint, "fsdp.loss_scaler");
+      }
     }
   }
 
   void Stats(cai_strategy_stats& stats) {
-    stats.param_bytes = static_cast<uint64_t>(shard_numel_) * 4;
-    for (uint32_t i : frozen_) stats.param_bytes += static_cast<uint64_t>(ParamInfo(i).numel) * 4;
-    stats.grad_bytes = static_cast<uint64_t>(shard_numel_) * 4;
+    const uint64_t frozen = FrozenBytes();
+    const bool mixed = !SameDtype(compute_, kF32);
+    stats.param_bytes = (mixed ? compute_shard_.size() : params_.size()) + frozen;
+    stats.grad_bytes = grads_.size();
     for (const Buffer& s : state_) stats.optimizer_state_bytes += s.size();
-    stats.master_bytes = 0;
-    stats.overlap_ratio = 0;  // every collective is synchronous (no prefetch yet)
+    stats.master_bytes = mixed ? params_.size() : 0;
+    stats.overlap_ratio = 0;  // measured nowhere yet: prefetch overlaps, reductions do not
+    // The forward's peak of parameter memory, for the issue's bound Ψ/G + (prefetch+1)·unit.
+    cai::sdk::Log(CAI_LOG_INFO, "fsdp: peak parameter bytes in forward " +
+                                    std::to_string(forward_param_peak_) + " (shards " +
+                                    std::to_string(ShardParamBytes()) + ")");
   }
 
   static void EstimateMemory(const cai_memory_estimate_args& args, cai_memory_estimate& out) {
-    const bool no_shard =
-        args.config && cai::sdk::Config(args.config).String("sharding_strategy") == "NO_SHARD";
-    const uint64_t n = no_shard ? 1 : static_cast<uint64_t>(std::max(args.world_size, 1));
+    const cai::sdk::Config config(args.config);
+    const std::string strategy = args.config ? config.String("sharding_strategy") : "FULL_SHARD";
+    uint64_t n = static_cast<uint64_t>(std::max(args.world_size, 1));
+    if (strategy == "NO_SHARD") n = 1;
+    if (strategy == "HYBRID_SHARD" && config.Int("shard_group_size") > 0) {
+      n = static_cast<uint64_t>(config.Int("shard_group_size"));
+    }
+    const uint64_t e = args.precision == CAI_PRECISION_FP32 ? 4 : 2;
     const uint64_t shard = (static_cast<uint64_t>(args.num_params) + n - 1) / n;
     const uint64_t unit = static_cast<uint64_t>(args.largest_unit_numel);
-    // Sharded states plus, at the peak of backward, a gathered unit and its gradient buffer.
-    out.param_bytes = 4 * shard + (no_shard ? 0 : 4 * unit);
-    out.grad_bytes = 4 * shard + 4 * unit;
-    out.master_bytes = 0;
+    // Sharded fp32 states plus, at the peak of backward, a gathered unit and its gradient.
+    out.master_bytes = e == 4 ? 0 : 4 * shard;
+    out.param_bytes = e * shard + (n == 1 ? 0 : e * unit);
+    out.grad_bytes = 4 * shard + e * unit;
     out.optimizer_state_bytes = 4ull * args.optimizer_state_slots * shard;
-    out.device_bytes = out.param_bytes + out.grad_bytes + out.optimizer_state_bytes;
-    out.formula = no_shard ? "(4 + 4 + 4k)Ψ + 4·unit: replicas, k state slots, a unit's gradient"
-                           : "(4 + 4 + 4k)Ψ/N + 2·4·unit: shards, k state slots, a gathered "
-                             "unit and its gradient";
+    out.device_bytes =
+        out.param_bytes + out.grad_bytes + out.optimizer_state_bytes + out.master_bytes;
+    out.formula =
+        "(4 + 4 + 4k)Ψ/G (+ eΨ/G compute copy) + 2·e·unit: fp32 shards, k state "
+        "slots, a gathered unit and its gradient (G = shard group)";
   }
 
  private:
+  enum class Wrap { kBlock, kSize, kNone };
+  enum class Prefetch { kNone, kPre, kPost };
+
   struct Member {
     uint32_t param;
     uint32_t group;
@@ -494,53 +551,166 @@ class Fsdp {
     int32_t index;   // among all trainable parameters (the step's used flags)
   };
   struct Unit {
-    int32_t model_unit = -1;  // -1: the root
     std::string name;
+    int32_t first = -1, last = -1;  // model units it spans; -1: the root
     std::vector<Member> members;
     int64_t numel = 0;  // Ψ_u
-    int64_t shard = 0;  // s_u = ceil(Ψ_u / N)
-    int64_t full = 0;   // N·s_u, the padded flat length
+    int64_t shard = 0;  // s_u = ceil(Ψ_u / G)
+    int64_t full = 0;   // G·s_u, the padded flat length
     int64_t base = 0;   // elements into this rank's shard buffers
-    Buffer gathered;    // N·s_u fp32 while gathered (sharded strategies)
-    Buffer grads;       // N·s_u fp32 while a backward accumulates into it
+    Buffer gathered;    // G·s_u compute-dtype while gathered (sharded strategies)
+    Buffer grads;       // G·s_u compute-dtype while a backward accumulates into it
     bool released = false;
     cai::sdk::Work prefetch;  // an all-gather into `gathered` not yet waited for
   };
 
-  static std::string Str(int64_t v) { return std::to_string(v); }
-  cai_param_info ParamInfo(uint32_t index) const {
-    cai_param_info info{};
-    info.struct_size = CAI_PARAM_INFO_STRUCT_SIZE;
-    Check(Host().model->param_info(model_, index, &info));
-    return info;
+  static const char* Name(cai_dtype d) {
+    return SameDtype(d, kF32) ? "fp32" : SameDtype(d, kBF16) ? "bf16" : "fp16";
   }
-  std::string Name(uint32_t index) const { return ParamInfo(index).name; }
-  cai_optim_group_info GroupInfo(uint32_t group) const {
-    cai_optim_group_info info{};
-    info.struct_size = CAI_OPTIM_GROUP_INFO_STRUCT_SIZE;
-    Check(Host().optimizer->group_info(optimizer_, group, &info));
-    return info;
-  }
+  cai_param_info ParamInfo(uint32_t index) const { return cai::sdk::ParamInfo(model_, index); }
+  std::string ParamName(uint32_t index) const { return ParamInfo(index).name; }
   static void Broadcast(const cai_tensor& t) {
     RunCollective(CAI_COMM_BROADCAST, nullptr, t, false);
   }
-
-  cai_status* RunModel(const cai_micro_batch& batch, bool backward) {
-    cai_forward_backward_args f{};
-    f.struct_size = CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE;
-    f.tokens = batch.tokens;
-    f.targets = batch.targets;
-    f.backward = backward;
-    f.loss_weight = batch.loss_weight;
-    f.loss = batch.loss;
-    return Host().model->forward_backward(model_, &f);
+  uint64_t FrozenBytes() const {
+    uint64_t bytes = 0;
+    for (uint32_t i : frozen_) {
+      const cai_param_info info = ParamInfo(i);
+      bytes += Bytes(info.numel, info.dtype);
+    }
+    return bytes;
+  }
+  uint64_t ShardParamBytes() const {
+    return params_.size() + (compute_shard_.get() ? compute_shard_.size() : 0);
   }
 
-  // Points the unit's parameters at `flat` (elements from `base` on); a released parameter's
-  // storage is refilled in place, which keeps autograd's saved views valid.
+  // Shard groups of G consecutive ranks; replica groups of the ranks with the same shard
+  // index. Every rank creates every group (new_group is collective), in one order.
+  void MakeGroups() {
+    if (shards_ == world_ || shards_ == 1) return;  // the world is the one group that counts
+    for (int32_t r = 0; r < replicas_; ++r) {
+      std::vector<int32_t> ranks;
+      for (int32_t i = 0; i < shards_; ++i) ranks.push_back(r * shards_ + i);
+      cai_comm_group* g = nullptr;
+      Check(Host().comm->new_group(ranks.data(), ranks.size(), &g));
+      if (g) shard_group_ = g;
+    }
+    for (int32_t i = 0; i < shards_; ++i) {
+      std::vector<int32_t> ranks;
+      for (int32_t r = 0; r < replicas_; ++r) ranks.push_back(r * shards_ + i);
+      cai_comm_group* g = nullptr;
+      Check(Host().comm->new_group(ranks.data(), ranks.size(), &g));
+      if (g) replica_group_ = g;
+    }
+  }
+  // NULL: the world.
+  cai_comm_group* ShardGroup() const { return shards_ == world_ ? nullptr : shard_group_; }
+  cai_comm_group* ReplicaGroup() const { return replicas_ == world_ ? nullptr : replica_group_; }
+
+  // Which unit every trainable parameter joins, the units' order and their shard layout.
+  void PlanUnits() {
+    const auto& model = *Host().model;
+    const uint32_t num_params = model.num_params(model_);
+    const uint32_t num_units = model.num_units(model_);
+    // The ABI lists a unit's own parameters, not the ones it reads from other units (the tied
+    // head reads the embedding's wte), so only blocks, which read nothing else, are wrapped.
+    std::vector<int32_t> block_of(num_params, -1);
+    for (uint32_t u = 0; u < num_units; ++u) {
+      cai_unit_info info{};
+      info.struct_size = CAI_UNIT_INFO_STRUCT_SIZE;
+      Check(model.unit_info(model_, u, &info));
+      if (info.kind != CAI_UNIT_BLOCK) continue;
+      for (uint32_t k = 0; k < info.num_params; ++k)
+        block_of[info.params[k]] = static_cast<int32_t>(u);
+    }
+    std::vector<std::vector<uint32_t>> owned(num_units);
+    units_.emplace_back().name = "root";
+    member_of_param_.assign(num_params, -1);
+    for (uint32_t i = 0; i < num_params; ++i) {
+      const cai_param_info info = ParamInfo(i);
+      if (!SameDtype(info.dtype, kF32)) {
+        throw Error(CAI_FAILED_PRECONDITION,
+                    std::string("fsdp: parameter '") + info.name +
+                        "' is not fp32 at boost; fsdp keeps fp32 shards and casts to "
+                        "train.precision itself, so save the model in fp32");
+      }
+      if (info.tied_to >= 0) continue;
+      if (!(info.flags & CAI_PARAM_REQUIRES_GRAD)) {
+        frozen_.push_back(i);
+        continue;
+      }
+      if (wrap_ != Wrap::kNone && block_of[i] >= 0) {
+        owned[block_of[i]].push_back(i);
+      } else {
+        AddMember(units_[0], i, info);
+      }
+    }
+    // Model units in order, grouped into FSDP units (one each, or merged up to the size).
+    unit_of_model_unit_.assign(num_units, -1);
+    for (uint32_t u = 0; u < num_units; ++u) {
+      if (owned[u].empty()) continue;
+      cai_unit_info info{};
+      info.struct_size = CAI_UNIT_INFO_STRUCT_SIZE;
+      Check(model.unit_info(model_, u, &info));
+      const bool extend =
+          wrap_ == Wrap::kSize && units_.size() > 1 && units_.back().numel < min_num_params_;
+      if (!extend) {
+        Unit& fresh = units_.emplace_back();
+        fresh.name = info.name;
+        fresh.first = static_cast<int32_t>(u);
+      } else {
+        units_.back().name += std::string("+") + info.name;
+      }
+      Unit& unit = units_.back();
+      unit.last = static_cast<int32_t>(u);
+      unit_of_model_unit_[u] = static_cast<int32_t>(units_.size() - 1);
+      for (uint32_t i : owned[u]) AddMember(unit, i, ParamInfo(i));
+    }
+    int64_t total = 0;
+    for (Unit& u : units_) {
+      u.shard = (u.numel + shards_ - 1) / shards_;
+      u.full = u.shard * shards_;
+      u.base = total;
+      total += u.shard;
+      psi_ += u.numel;
+    }
+    shard_numel_ = total;
+    if (psi_ == 0) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "fsdp: the model has no trainable parameters; unfreeze some (model.freeze)");
+    }
+  }
+
+  void AddMember(Unit& unit, uint32_t param, const cai_param_info& info) {
+    member_of_param_[param] = static_cast<int32_t>(num_members_++);
+    unit.members.push_back({param, info.group, info.numel, unit.numel, member_of_param_[param]});
+    unit.numel += info.numel;
+  }
+
+  // The compute-dtype device copy of the parameter shard, from the fp32 shard (through a
+  // host-tier cast and one copy under cpu_offload, so it is one transfer on an accelerator).
+  void RefreshComputeShard() {
+    if (!compute_shard_.get()) return;
+    const cai_tensor masters = View(params_, kF32, 0, &shard_numel_);
+    if (offload_ && SameDtype(compute_, kF32)) {
+      Check(Host().mempool->copy(compute_shard_.data(), params_.data(), params_.size(), nullptr));
+      return;
+    }
+    if (!offload_) {
+      RunKernel(CAI_KERNEL_COPY, &masters, View(compute_shard_, compute_, 0, &shard_numel_));
+      return;
+    }
+    Buffer host = Alloc(CAI_MEM_HOST, shard_numel_, compute_, "fsdp.offload_param");
+    RunKernel(CAI_KERNEL_COPY, &masters, View(host, compute_, 0, &shard_numel_));
+    Check(Host().mempool->copy(compute_shard_.data(), host.data(), compute_shard_.size(), nullptr));
+  }
+
+  // Points the unit's parameters at `flat` (compute dtype, elements from `base` on); a
+  // released parameter's storage is refilled in place, which keeps autograd's saved views
+  // valid.
   void PointParams(Unit& u, const Buffer& flat, int64_t base) {
     for (const Member& m : u.members) {
-      cai_tensor view = Vec(F32(flat, base + m.offset), device_, kF32, &m.numel);
+      cai_tensor view = View(flat, compute_, base + m.offset, &m.numel);
       Check(Host().model->replace_param_storage(model_, m.param, &view));
     }
     u.released = false;
@@ -548,79 +718,105 @@ class Fsdp {
 
   void ReleaseParams(Unit& u) {
     u.prefetch = cai::sdk::Work();  // a prefetch still writing into u.gathered finishes first
-    if (no_shard_) return;
+    if (!sharded_) return;
     if (!u.released) {
       for (const Member& m : u.members) {
         Check(Host().model->release_param_storage(model_, m.param));
       }
       u.released = true;
     }
+    if (u.gathered.get()) gathered_bytes_ -= u.gathered.size();
     u.gathered = Buffer();
   }
 
-  // All-gathers `shards`' part of unit u into a new N·s_u buffer.
-  Buffer GatherCopy(const Unit& u, const Buffer& shards) {
-    Buffer full = Alloc(u.full, "fsdp.gathered", false);
-    cai_tensor in = Vec(F32(shards, u.base), device_, kF32, &u.shard);
-    cai_tensor out = Vec(full.data(), device_, kF32, &u.full);
-    if (shards_ > 1) {
-      RunCollective(CAI_COMM_ALL_GATHER, &in, out, false);
-    } else {
-      RunKernel(CAI_KERNEL_COPY, &in, out);
+  // The all-gather input: this rank's shard of unit u in the compute dtype, on the device.
+  cai_tensor ShardSource(const Unit& u) const {
+    return compute_shard_.get() ? View(compute_shard_, compute_, u.base, &u.shard)
+                                : View(params_, kF32, u.base, &u.shard);
+  }
+
+  // Starts (async) or runs the all-gather of unit u's compute shard into u.gathered.
+  cai::sdk::Work StartGather(Unit& u, bool async) {
+    u.gathered = Alloc(CAI_MEM_DEVICE, u.full, compute_, "fsdp.gathered");
+    gathered_bytes_ += u.gathered.size();
+    if (!in_backward_) {
+      forward_param_peak_ = std::max(forward_param_peak_, ShardParamBytes() + gathered_bytes_);
     }
-    return full;
+    const cai_tensor in = ShardSource(u);
+    const cai_tensor out = View(u.gathered, compute_, 0, &u.full);
+    if (shards_ == 1) {
+      RunKernel(CAI_KERNEL_COPY, &in, out);
+      return {};
+    }
+    return RunCollective(CAI_COMM_ALL_GATHER, &in, out, async, CAI_REDUCE_SUM, ShardGroup());
   }
 
   void Gather(Unit& u) {
-    if (no_shard_ || !u.released || u.members.empty()) return;
+    if (!sharded_ || !u.released || u.members.empty()) return;
     if (u.prefetch.valid()) {
       u.prefetch.Wait();
       u.prefetch = cai::sdk::Work();
     } else {
-      u.gathered = GatherCopy(u, params_);
+      StartGather(u, false);
     }
     PointParams(u, u.gathered, 0);
   }
 
-  // Starts units_[k]'s all-gather without waiting for it; Gather completes it. Every rank
-  // prefetches at the same hooks, so collectives keep one order across ranks.
-  void Prefetch(size_t k) {
-    if (k < 1 || k >= units_.size()) return;  // blocks only: the root is gathered throughout
-    Unit& u = units_[k];
-    if (no_shard_ || shards_ == 1 || !u.released || u.members.empty() || u.prefetch.valid()) {
-      return;
+  // Starts the all-gathers of units_[from], units_[from + dir], ... (prefetch_limit of them
+  // at most) without waiting; Gather completes them. Every rank prefetches at the same hooks,
+  // so collectives keep one order across ranks.
+  void PrefetchFrom(int64_t from, int dir) {
+    for (int64_t k = from, n = 0; n < prefetch_limit_; k += dir, ++n) {
+      if (k < 1 || k >= static_cast<int64_t>(units_.size())) return;  // the root is gathered
+      Unit& u = units_[k];
+      if (!sharded_ || shards_ == 1 || !u.released || u.members.empty() || u.prefetch.valid()) {
+        continue;
+      }
+      u.prefetch = StartGather(u, true);
     }
-    u.gathered = Alloc(u.full, "fsdp.gathered", false);
-    cai_tensor in = Vec(F32(params_, u.base), device_, kF32, &u.shard);
-    cai_tensor out = Vec(u.gathered.data(), device_, kF32, &u.full);
-    u.prefetch = RunCollective(CAI_COMM_ALL_GATHER, &in, out, true);
   }
 
   // The unit's .grad become views of a zeroed flat buffer laid out like its parameter.
   void BeginGrads(Unit& u) {
     if (u.grads.get() || u.members.empty()) return;
-    u.grads = Alloc(u.full, "fsdp.grad", true);
+    u.grads = Alloc(CAI_MEM_DEVICE, u.full, compute_, "fsdp.grad");
     for (const Member& m : u.members) {
-      cai_tensor view = Vec(F32(u.grads, m.offset), device_, kF32, &m.numel);
+      cai_tensor view = View(u.grads, compute_, m.offset, &m.numel);
       Check(Host().model->replace_grad_storage(model_, m.param, &view));
     }
   }
 
-  // Sums the unit's gradient over ranks into this rank's gradient shard.
+  // Sums the unit's gradient over all ranks into this rank's fp32 gradient shard: a
+  // reduce-scatter over the shard group, an all-reduce of the result over the replicas.
   void ReduceGrads(Unit& u) {
     for (const Member& m : u.members) Check(Host().model->release_grad(model_, m.param));
-    cai_tensor full = Vec(u.grads.data(), device_, kF32, &u.full);
-    cai_tensor mine = Vec(F32(grads_, u.base), device_, kF32, &u.shard);
-    if (shards_ > 1) {
-      Buffer part = Alloc(u.shard, "fsdp.reduce_scatter", false);
-      cai_tensor out = Vec(part.data(), device_, kF32, &u.shard);
-      RunCollective(CAI_COMM_REDUCE_SCATTER, &full, out, false);
-      RunKernel(CAI_KERNEL_AXPY, &out, mine, 1.0);
-    } else {
-      if (world_ > 1) RunCollective(CAI_COMM_ALL_REDUCE, nullptr, full, false);
-      RunKernel(CAI_KERNEL_AXPY, &full, mine, 1.0);
+    Buffer wire = std::move(u.grads);
+    if (!SameDtype(reduce_, compute_)) {
+      Buffer converted = Alloc(CAI_MEM_DEVICE, u.full, reduce_, "fsdp.grad");
+      const cai_tensor from = View(wire, compute_, 0, &u.full);
+      RunKernel(CAI_KERNEL_COPY, &from, View(converted, reduce_, 0, &u.full));
+      wire = std::move(converted);
     }
-    u.grads = Buffer();
+    if (shards_ > 1) {
+      Buffer part = Alloc(CAI_MEM_DEVICE, u.shard, reduce_, "fsdp.reduce_scatter");
+      const cai_tensor full = View(wire, reduce_, 0, &u.full);
+      RunCollective(CAI_COMM_REDUCE_SCATTER, &full, View(part, reduce_, 0, &u.shard), false,
+                    CAI_REDUCE_SUM, ShardGroup());
+      wire = std::move(part);
+    }
+    const cai_tensor mine = View(wire, reduce_, 0, &u.shard);
+    if (replicas_ > 1) {
+      RunCollective(CAI_COMM_ALL_REDUCE, nullptr, mine, false, CAI_REDUCE_SUM, ReplicaGroup());
+    }
+    const cai_tensor shard = View(grads_, kF32, u.base, &u.shard);
+    if (offload_) {
+      Buffer host = Alloc(CAI_MEM_HOST, u.shard, reduce_, "fsdp.offload_grad");
+      Check(Host().mempool->copy(host.data(), wire.data(), host.size(), nullptr));
+      const cai_tensor landed = View(host, reduce_, 0, &u.shard);
+      RunKernel(CAI_KERNEL_AXPY, &landed, shard, 1.0);
+    } else {
+      RunKernel(CAI_KERNEL_AXPY, &mine, shard, 1.0);
+    }
   }
 
   static cai_status* OnUnitHook(void* self, const cai_hook_event* event) {
@@ -637,48 +833,268 @@ class Fsdp {
     }
     if (e.unit < 0 || static_cast<size_t>(e.unit) >= unit_of_model_unit_.size()) return;
     const int32_t k = unit_of_model_unit_[e.unit];
-    if (k < 0) return;  // a unit of the root's: gathered throughout
+    if (k < 0) return;  // no parameters of its own: the root's are gathered throughout
     Unit& u = units_[k];
+    // A unit spanning several model units is gathered at the first event that needs it and
+    // released after its last model unit (forward) or first (backward).
     switch (e.kind) {
       case CAI_HOOK_PRE_FORWARD:
         Gather(u);
-        if (forward_prefetch_ && !e.recompute) Prefetch(static_cast<size_t>(k) + 1);
+        if (forward_prefetch_ && !e.recompute && e.unit == u.first) PrefetchFrom(k + 1, +1);
         break;
       case CAI_HOOK_POST_FORWARD:
         // A recomputation inside backward (activation checkpointing) keeps what backward needs.
-        if (!e.recompute && (full_shard_ || !backward_)) ReleaseParams(u);
+        if (e.unit == u.last && !e.recompute && (full_shard_ || !backward_)) ReleaseParams(u);
         break;
       case CAI_HOOK_PRE_BACKWARD:
+        in_backward_ = true;
         Gather(u);
-        if (backward_prefetch_ && full_shard_) Prefetch(static_cast<size_t>(k) - 1);
+        if (backward_prefetch_ == Prefetch::kPre && full_shard_ && e.unit == u.last) {
+          PrefetchFrom(k - 1, -1);
+        }
         BeginGrads(u);
         break;
       case CAI_HOOK_POST_BACKWARD:
-        if (u.grads.get()) ReduceGrads(u);
+        if (e.unit != u.first) break;
+        if (!no_sync_ && u.grads.get()) ReduceGrads(u);
         ReleaseParams(u);
+        if (backward_prefetch_ == Prefetch::kPost && full_shard_) PrefetchFrom(k - 1, -1);
         break;
       default:
         break;
     }
   }
 
-  bool full_shard_ = true;
-  bool no_shard_ = false;
-  bool wrap_blocks_ = true;
+  // ---- Checkpoints ------------------------------------------------------------------------
+
+  static std::optional<std::string> TryMeta(cai_checkpoint* ckpt, const char* key) {
+    const char* value = nullptr;
+    cai_status* status = Host().checkpoint->read_meta(ckpt, key, &value);
+    if (status) {
+      Host().status_destroy(status);
+      return std::nullopt;
+    }
+    return std::string(value);
+  }
+
+  // This rank's shard of unit u from `shards` (fp32, either tier) on the device.
+  cai_tensor DeviceShard(const Unit& u, const Buffer& shards, Buffer& staging) const {
+    if (!offload_) return View(shards, kF32, u.base, &u.shard);
+    staging = Alloc(CAI_MEM_DEVICE, u.shard, kF32, "fsdp.checkpoint");
+    Check(Host().mempool->copy(staging.data(), static_cast<const float*>(shards.data()) + u.base,
+                               staging.size(), nullptr));
+    return View(staging, kF32, 0, &u.shard);
+  }
+
+  // Consolidated: the reference's layout, one unit gathered at a time; rank 0 writes.
+  void SaveFull(const cai_checkpoint_args& args) {
+    if (replica_index_ != 0) return;  // replica 0's shard group holds every value
+    auto write_unit = [&](const Unit& u, const Buffer& shards, const std::string& suffix) {
+      if (u.members.empty()) return;
+      Buffer staging;
+      const cai_tensor in = DeviceShard(u, shards, staging);
+      Buffer full = Alloc(CAI_MEM_DEVICE, u.full, kF32, "fsdp.checkpoint");
+      const cai_tensor out = View(full, kF32, 0, &u.full);
+      if (shards_ > 1) {
+        RunCollective(CAI_COMM_ALL_GATHER, &in, out, false, CAI_REDUCE_SUM, ShardGroup());
+      } else {
+        RunKernel(CAI_KERNEL_COPY, &in, out);
+      }
+      if (rank_ != 0) return;
+      for (const Member& m : u.members) {
+        const cai_param_info info = ParamInfo(m.param);
+        const cai_tensor t = View(full, kF32, m.offset, &m.numel);
+        if (suffix.empty()) {
+          cai::sdk::WriteAsFp32(args.checkpoint, std::string("model/") + info.name, t,
+                                std::span<const int64_t>(info.shape, info.ndim));
+        } else {
+          Check(Host().checkpoint->write_tensor(
+              args.checkpoint, (std::string("optim/") + info.name + suffix).c_str(), &t));
+        }
+      }
+    };
+    if (args.model) {
+      for (const Unit& u : units_) write_unit(u, params_, "");
+    }
+    if (args.optimizer) {
+      for (size_t k = 0; k < state_.size(); ++k) {
+        for (const Unit& u : units_) write_unit(u, state_[k], "/" + std::to_string(k));
+      }
+    }
+  }
+
+  // Reads only this rank's slice of each canonical tensor, so any saved world size loads.
+  void LoadFull(const cai_checkpoint_args& args) {
+    auto read_unit = [&](const Unit& u, const Buffer& shards, const std::string& suffix) {
+      const int64_t lo = shard_index_ * u.shard, hi = lo + u.shard;
+      for (const Member& m : u.members) {
+        const int64_t a = std::max(lo, m.offset), b = std::min(hi, m.offset + m.numel);
+        if (a >= b) continue;
+        const int64_t count = b - a;
+        const cai_tensor dst = View(shards, kF32, u.base + (a - lo), &count);
+        const std::string name =
+            suffix.empty() ? "model/" + ParamName(m.param) : "optim/" + ParamName(m.param) + suffix;
+        Check(Host().checkpoint->read_tensor(args.checkpoint, name.c_str(), a - m.offset, count,
+                                             &dst));
+      }
+    };
+    if (args.model) {
+      for (const Unit& u : units_) read_unit(u, params_, "");
+    }
+    if (args.optimizer) {
+      for (size_t k = 0; k < state_.size(); ++k) {
+        for (const Unit& u : units_) read_unit(u, state_[k], "/" + std::to_string(k));
+      }
+    }
+  }
+
+  static std::string ShardTensor(const std::string& unit, const std::string& what, int64_t r) {
+    return "fsdp/" + unit + "/" + what + "." + std::to_string(r);
+  }
+
+  // Sharded: replica 0's ranks write their own shards, rank 0 the index. Index text:
+  //   "fsdp-sharded 1 <shards>" then per unit "unit <name> <s_u>" and its members
+  //   "param <offset> <numel> <name>".
+  void SaveSharded(const cai_checkpoint_args& args) {
+    if (replica_index_ != 0) return;
+    for (const Unit& u : units_) {
+      if (u.members.empty()) continue;
+      if (args.model) {
+        const cai_tensor t = View(params_, kF32, u.base, &u.shard);
+        Check(Host().checkpoint->write_tensor(
+            args.checkpoint, ShardTensor(u.name, "param", shard_index_).c_str(), &t));
+      }
+      for (size_t k = 0; args.optimizer && k < state_.size(); ++k) {
+        const cai_tensor t = View(state_[k], kF32, u.base, &u.shard);
+        Check(Host().checkpoint->write_tensor(
+            args.checkpoint, ShardTensor(u.name, "state" + std::to_string(k), shard_index_).c_str(),
+            &t));
+      }
+    }
+    if (rank_ != 0) return;
+    std::ostringstream index;
+    index << "fsdp-sharded 1 " << shards_ << "\n";
+    for (const Unit& u : units_) {
+      if (u.members.empty()) continue;
+      index << "unit " << u.name << " " << u.shard << "\n";
+      for (const Member& m : u.members) {
+        index << "param " << m.offset << " " << m.numel << " " << ParamName(m.param) << "\n";
+      }
+    }
+    Check(Host().checkpoint->write_meta(args.checkpoint, "fsdp.index", index.str().c_str()));
+  }
+
+  struct SavedParam {
+    std::string unit;
+    int64_t offset = 0;  // into the saved unit's flat parameter
+    int64_t numel = 0;
+    int64_t shard = 0;  // the saved unit's shard size
+  };
+
+  static std::map<std::string, SavedParam> ParseIndex(const std::string& text) {
+    std::istringstream in(text);
+    std::string magic, word;
+    int version = 0;
+    int64_t shards = 0;
+    if (!(in >> magic >> version >> shards) || magic != "fsdp-sharded" || version != 1) {
+      throw Error(CAI_DATA_LOSS,
+                  "fsdp: checkpoint meta 'fsdp.index' does not start with 'fsdp-sharded 1'; "
+                  "it was written by another version of fsdp");
+    }
+    std::map<std::string, SavedParam> saved;
+    std::string unit;
+    int64_t shard = 0;
+    while (in >> word) {
+      if (word == "unit") {
+        in >> unit >> shard;
+      } else if (word == "param") {
+        SavedParam p{unit, 0, 0, shard};
+        std::string name;
+        in >> p.offset >> p.numel;
+        in.get();
+        std::getline(in, name);
+        saved[name] = p;
+      } else {
+        throw Error(CAI_DATA_LOSS,
+                    "fsdp: checkpoint meta 'fsdp.index' has an unknown line '" + word + "'");
+      }
+    }
+    return saved;
+  }
+
+  // Every parameter's slice of this rank's shard, read from the saved shards that hold it.
+  void LoadSharded(const cai_checkpoint_args& args, const std::string& text) {
+    const std::map<std::string, SavedParam> saved = ParseIndex(text);
+    auto read_unit = [&](const Unit& u, const Buffer& shards, const std::string& what) {
+      const int64_t lo = shard_index_ * u.shard, hi = lo + u.shard;
+      for (const Member& m : u.members) {
+        const int64_t a = std::max(lo, m.offset), b = std::min(hi, m.offset + m.numel);
+        if (a >= b) continue;
+        const std::string name = ParamName(m.param);
+        auto it = saved.find(name);
+        if (it == saved.end() || it->second.numel != m.numel) {
+          throw Error(CAI_NOT_FOUND, "fsdp: the sharded checkpoint's index has no parameter '" +
+                                         name + "' of " + std::to_string(m.numel) +
+                                         " elements; it was saved from another model");
+        }
+        const SavedParam& p = it->second;
+        // Elements [a, b) of the unit are [a - m.offset, b - m.offset) of the parameter, at
+        // p.offset + that in the saved unit, whose shard j holds [j·s, (j+1)·s).
+        for (int64_t at = a; at < b;) {
+          const int64_t pos = p.offset + (at - m.offset);
+          const int64_t j = pos / p.shard, within = pos % p.shard;
+          const int64_t count = std::min(b - at, p.shard - within);
+          const cai_tensor dst = View(shards, kF32, u.base + (at - lo), &count);
+          Check(Host().checkpoint->read_tensor(
+              args.checkpoint, ShardTensor(p.unit, what, j).c_str(), within, count, &dst));
+          at += count;
+        }
+      }
+    };
+    if (args.model) {
+      for (const Unit& u : units_) read_unit(u, params_, "param");
+    }
+    if (args.optimizer) {
+      for (size_t k = 0; k < state_.size(); ++k) {
+        for (const Unit& u : units_) read_unit(u, state_[k], "state" + std::to_string(k));
+      }
+    }
+  }
+
+  // Configuration.
+  int32_t rank_ = 0;
+  int32_t world_ = 1;
+  std::string strategy_name_;
+  bool full_shard_ = true;  // re-gather for backward
+  bool sharded_ = true;     // parameters released between uses
+  bool hybrid_ = false;
+  Wrap wrap_ = Wrap::kBlock;
+  int64_t min_num_params_ = 0;
   bool sync_module_states_ = true;
   bool forward_prefetch_ = false;
-  bool backward_prefetch_ = false;  // "pre"
+  Prefetch backward_prefetch_ = Prefetch::kNone;
+  int64_t prefetch_limit_ = 1;
+  std::string reduce_dtype_name_;
+  bool offload_ = false;
+  bool full_state_dict_ = false;
+  cai_loss_scaler_config scaler_config_{};
 
   cai_model* model_ = nullptr;
   cai_optimizer* optimizer_ = nullptr;
+  cai_dtype compute_ = kF32;  // parameters and gradients as the model computes
+  cai_dtype reduce_ = kF32;   // gradients on the wire
   cai_device device_{CAI_DEVICE_CPU, 0};
+  cai_device state_device_{CAI_DEVICE_CPU, 0};  // where the shards live (host under offload)
   std::vector<uint64_t> hook_ids_;
-  int32_t world_ = 1;
-  int64_t shards_ = 1;       // N: ranks a unit is sharded over (1 under NO_SHARD)
-  int64_t shard_index_ = 0;  // this rank's shard
+  int32_t shards_ = 1;    // G: ranks a unit is sharded over
+  int32_t replicas_ = 1;  // R = N / G
+  int32_t shard_index_ = 0;
+  int32_t replica_index_ = 0;
+  cai_comm_group* shard_group_ = nullptr;
+  cai_comm_group* replica_group_ = nullptr;
 
-  std::vector<Unit> units_;                  // [0] is the root
-  std::vector<int32_t> unit_of_model_unit_;  // model unit -> index in units_, -1 = root's
+  std::vector<Unit> units_;                  // [0] is the root, then in forward order
+  std::vector<int32_t> unit_of_model_unit_;  // model unit -> index in units_, -1 = none
   std::vector<int32_t> member_of_param_;     // model parameter -> trainable index, -1 if none
   std::vector<uint32_t> frozen_;             // parameters kept whole on every rank
   size_t num_members_ = 0;
@@ -689,10 +1105,16 @@ class Fsdp {
   Buffer params_;
   Buffer grads_;               // gradient sums since zero_grad
   std::vector<Buffer> state_;  // optimizer state slots
+  Buffer compute_shard_;       // S compute-dtype elements on the device (mixed or offload)
+  std::optional<cai::sdk::LossScaler> scaler_;
 
-  bool backward_ = false;      // the current model call back-propagates
+  bool backward_ = false;     // the current model call back-propagates
+  bool in_backward_ = false;  // its backward has begun
+  bool no_sync_ = false;
   std::vector<uint8_t> used_;  // trainable parameter got a gradient on this rank since zero_grad
   int64_t step_ = 0;
+  uint64_t gathered_bytes_ = 0;  // gathered units alive now
+  uint64_t forward_param_peak_ = 0;
 };
 
 }  // namespace

@@ -342,13 +342,15 @@ inline uint64_t OnEveryGradReady(cai_model* model, cai_hook_fn fn, void* user_da
   return id;
 }
 
-// One collective on the world group (see cai_comm_args; `input` NULL for the ops that take
-// none, root 0). With `async` the returned Work must be waited for before the buffers are
+// One collective on `group` (NULL: the world; see cai_comm_args; `input` NULL for the ops that
+// take none, root 0). With `async` the returned Work must be waited for before the buffers are
 // touched; without, it is empty and the collective has completed.
 inline Work RunCollective(cai_comm_op op, const cai_tensor* input, const cai_tensor& output,
-                          bool async, cai_reduce_op reduce = CAI_REDUCE_SUM) {
+                          bool async, cai_reduce_op reduce = CAI_REDUCE_SUM,
+                          cai_comm_group* group = nullptr) {
   cai_comm_args args{};
   args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+  args.group = group;
   args.op = op;
   args.reduce_op = reduce;
   args.input = input;

@@ -13,7 +13,7 @@
 //
 // Groups. A unit is sharded over a shard group of G ranks and replicated over R = N / G
 // replica groups: FULL_SHARD and SHARD_GRAD_OP G = N; NO_SHARD G = 1 (R = N, DDP);
-// HYBRID_SHARD G = shard_group_size (default: the ranks of one node, LOCAL_WORLD_SIZE), so
+// HYBRID_SHARD G = shard_group_size (default: the ranks of one node, as the launcher says), so
 // the parameter all-gathers stay inside a node and only a gradient shard's all-reduce
 // crosses nodes.
 //
@@ -147,7 +147,8 @@ class Fsdp {
                       kShardingStrategies),
             IntKey("shard_group_size", "0",
                    "HYBRID_SHARD: ranks a unit is sharded over; must divide the world size. "
-                   "0 = the ranks of one node (LOCAL_WORLD_SIZE).",
+                   "0 = the ranks of one node (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE or "
+                   "SLURM_NTASKS_PER_NODE).",
                    0, 0, CAI_CONFIG_HAS_MIN),
             StringKey("auto_wrap", "\"block\"",
                       "block: one unit per transformer block, the rest (embeddings, final norm, "
@@ -202,12 +203,17 @@ class Fsdp {
     shards_ = !sharded_ ? 1 : world_;
     if (hybrid_) {
       int64_t g = config.Int("shard_group_size");
-      const char* local = std::getenv("LOCAL_WORLD_SIZE");
-      if (g == 0 && local) g = std::atoll(local);
+      // Ranks per node as torchrun (and cai train --nproc), Open MPI and SLURM say it.
+      for (const char* var :
+           {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"}) {
+        const char* value = std::getenv(var);
+        if (g == 0 && value) g = std::atoll(value);
+      }
       if (g <= 0) {
         throw Error(CAI_INVALID_ARGUMENT,
-                    "fsdp: HYBRID_SHARD needs plugin.fsdp.shard_group_size (LOCAL_WORLD_SIZE is "
-                    "not set to say how many ranks share a node); set it to the ranks per node");
+                    "fsdp: HYBRID_SHARD needs plugin.fsdp.shard_group_size (none of "
+                    "LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_NTASKS_PER_NODE says "
+                    "how many ranks share a node); set it to the ranks per node");
       }
       if (world_ % g != 0) {
         throw Error(CAI_INVALID_ARGUMENT,

@@ -279,10 +279,10 @@ TEST(FsdpParity, TwoRanks_NoShardMatchesReference) {
   }
 }
 
-// 4 ranks as 2 nodes of 2: units sharded over each pair, the gradient shard all-reduced
-// between the pairs. Gathers and reduce-scatters move G = 2's bytes; the replicas' all-reduce
-// adds 4·S.
-TEST(FsdpParity, FourRanks_HybridShardTwoByTwoMatchesReference) {
+// 4 ranks as 2 nodes of 2 (shard_group_size = 2): units sharded over each pair, the gradient shard
+// all-reduced between the pairs. Gathers and reduce-scatters move G = 2's bytes; the replicas'
+// all-reduce adds 4·S.
+TEST(FsdpParity, FourRanks_HybridShardTwoByTwoAndOneNodeOfTwoMatchReference) {
   const TrainRun& ref = Reference({});
   const TrainRun run = Fsdp("hybrid", 4, "HYBRID_SHARD", {"plugin.fsdp.shard_group_size=2"});
   ExpectParity(ref, run, 1e-5);
@@ -297,6 +297,12 @@ TEST(FsdpParity, FourRanks_HybridShardTwoByTwoMatchesReference) {
     EXPECT_EQ(b, 4.0 * l.shards + 8.0 * (2 + TrainableParams(ref)));
   }
   EXPECT_NE(run.output.find("2 shards x 2 replicas"), std::string::npos) << run.output;
+
+  // Without shard_group_size a node's ranks form the shard group: `cai train --nproc 2` sets
+  // LOCAL_WORLD_SIZE = 2, so 2 ranks are one node and HYBRID_SHARD shards over both.
+  const TrainRun node = Fsdp("hybrid_node", 2, "HYBRID_SHARD", {});
+  ExpectParity(ref, node, 1e-5);
+  EXPECT_NE(node.output.find("2 shards x 1 replicas"), std::string::npos) << node.output;
 }
 
 // Prefetch: the next block's all-gather is in flight while a block computes, forward and

@@ -497,9 +497,10 @@ class Fsdp {
     if (args.optimizer) {
       const std::optional<std::string> step = TryMeta(args.checkpoint, "fsdp.step");
       if (!step) {
-        throw Error(CAI_NOT_FOUND,
-                    "fsdp: the checkpoint has no meta 'fsdp.step', so it was not written by "
-                    "fsdp; load its model only (checkpoint.load_optimizer = false)");
+        throw Error(
+            CAI_NOT_FOUND,
+            "fsdp: the checkpoint has no meta 'fsdp.step': another strategy wrote its optimizer "
+            "state; resume it with that strategy (plugin.name)");
       }
       step_ = std::stoll(*step);
       if (scaler_ && TryMeta(args.checkpoint, "fsdp.loss_scaler")) {

@@ -125,7 +125,8 @@ for deb in "${debs[@]}"; do
       for f in /usr/include/cai/abi.h /usr/include/cai/sdk.hpp /usr/include/cai/conformance.hpp \
                "$libdir/cmake/cai/caiConfig.cmake" "$libdir/cmake/cai/CaiPlugin.cmake" \
                "$libdir/pkgconfig/cai.pc" /usr/bin/cai-conformance \
-               /usr/share/cai/abi/v1.0/cai/abi.h /usr/share/cai/abi/v1.0/SHA256SUMS; do
+               /usr/share/cai/abi/v1.0/cai/abi.h /usr/share/cai/abi/v1.0/SHA256SUMS \
+               /usr/share/cai/abi/v1.1/cai/abi.h /usr/share/cai/abi/v1.1/SHA256SUMS; do
         grep -qxF "$f" "$work/$p.deb-files" || fail "cai-dev lacks $f"
       done
       ;;

@@ -34,7 +34,7 @@ extern "C" {
  * negotiation in cai_plugin_init_v1 otherwise. */
 #define CAI_ABI_MAJOR 1
 /* Bumped for every append to any struct below; see CHANGELOG.md beside these headers. */
-#define CAI_ABI_MINOR 1
+#define CAI_ABI_MINOR 2
 /* The oldest host minor a plugin built from these headers needs. A plugin author who uses
  * nothing newer than, say, 1.0 defines CAI_TARGET_ABI_MINOR 0 before including cai/abi.h so
  * that older hosts accept the plugin. */

@@ -250,8 +250,14 @@ typedef struct cai_model_api {
   /* Applies tensor parallelism (see cai_tensor_parallel_args); UNIMPLEMENTED for models
    * without structure metadata (TorchScript). Collective over the group. */
   cai_status* (*apply_tensor_parallel)(cai_model* model, const cai_tensor_parallel_args* args);
+
+  /* 1.2. Casts every floating-point buffer to `dtype` (fp32 / bf16 / fp16) in place; integer
+   * and bool buffers keep theirs (PyTorch FSDP's MixedPrecision.buffer_dtype: an fp32 buffer
+   * in a bf16 forward promotes what it touches back to fp32). buffer_data describes the cast
+   * buffers from then on. Not thread-safe against a running forward. */
+  cai_status* (*set_buffer_dtype)(cai_model* model, cai_dtype dtype);
 } cai_model_api;
-#define CAI_MODEL_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_model_api, apply_tensor_parallel)
+#define CAI_MODEL_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_model_api, set_buffer_dtype)
 
 #ifdef __cplusplus
 } /* extern "C" */

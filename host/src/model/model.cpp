@@ -834,6 +834,19 @@ void Model::SetComputeDtype(cai_dtype dtype) {
   m.net->SetComputeType(compute);
 }
 
+void Model::SetBufferDtype(cai_dtype dtype) {
+  const torch::ScalarType type = ToScalarType(dtype, "set_buffer_dtype");
+  if (!IsFloatingStorage(type)) {
+    Fail(CAI_INVALID_ARGUMENT, "set_buffer_dtype: only fp32, bf16 and fp16 are supported");
+  }
+  // In place: the TorchScript module holds the same tensor and sees the cast.
+  for (auto& [name, buffer] : impl_->net->buffers) {
+    if (buffer.is_floating_point() && buffer.scalar_type() != type) {
+      buffer.set_data(buffer.detach().to(type));
+    }
+  }
+}
+
 void Model::SetActivationCheckpointing(bool enabled) { impl_->checkpointing = enabled; }
 
 }  // namespace cai

@@ -158,6 +158,9 @@ class Model {
   // fp32, bf16 or fp16 (see the header comment). Casting drops existing gradients, whose
   // dtype no longer matches. Fails while a parameter is released.
   void SetComputeDtype(cai_dtype dtype);
+  // Casts the floating-point buffers to fp32, bf16 or fp16; integer and bool buffers keep
+  // their dtype.
+  void SetBufferDtype(cai_dtype dtype);
   // Recompute each transformer block's forward during backward instead of keeping its
   // activations; the recomputation fires the block's forward hooks with recompute = true.
   void SetActivationCheckpointing(bool enabled);

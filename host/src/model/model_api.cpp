@@ -196,6 +196,10 @@ cai_status* SetComputeDtype(cai_model* model, cai_dtype dtype) {
   return Guard([&] { Get(model, "set_compute_dtype")->SetComputeDtype(dtype); });
 }
 
+cai_status* SetBufferDtype(cai_model* model, cai_dtype dtype) {
+  return Guard([&] { Get(model, "set_buffer_dtype")->SetBufferDtype(dtype); });
+}
+
 cai_status* SetActivationCheckpointing(cai_model* model, bool enabled) {
   return Guard(
       [&] { Get(model, "set_activation_checkpointing")->SetActivationCheckpointing(enabled); });
@@ -239,6 +243,7 @@ constexpr cai_model_api kModelApi = {
     SetComputeDtype,
     SetActivationCheckpointing,
     ApplyTensorParallel,
+    SetBufferDtype,
 };
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <string>
 
+#include "cai/core.h"
 #include "loader/file_checks.h"
 #include "util/subprocess.h"
 
@@ -189,7 +190,9 @@ TEST(PluginLoading, AbiMajorMismatch_IsRefusedBeforeLoading) {
   auto bad = dir.Add(THROWING_SO, "future",
                      ManifestText("future", Lib(THROWING_SO), "", "major = 2\nmin_host_minor = 0"));
   // The throwing library is never run: the manifest alone refuses it.
-  ExpectBrokenBesideGood(dir, bad, "plugin is built for cai ABI 2.x; this host speaks ABI 1.1");
+  ExpectBrokenBesideGood(
+      dir, bad,
+      "plugin is built for cai ABI 2.x; this host speaks ABI 1." + std::to_string(CAI_ABI_MINOR));
 }
 
 TEST(PluginLoading, PluginNeedingNewerHostMinor_IsRefused) {
@@ -198,13 +201,16 @@ TEST(PluginLoading, PluginNeedingNewerHostMinor_IsRefused) {
   auto by_manifest =
       dir.Add(C_REPLICA_SO, "c_replica",
               ManifestText("c_replica", Lib(C_REPLICA_SO), "", "major = 1\nmin_host_minor = 7"));
-  ExpectBrokenBesideGood(dir, by_manifest, "plugin needs host ABI 1.7 or newer; this host is 1.1");
+  ExpectBrokenBesideGood(
+      dir, by_manifest,
+      "plugin needs host ABI 1.7 or newer; this host is 1." + std::to_string(CAI_ABI_MINOR));
   // A manifest that understates what the library needs is caught by the negotiation.
   PluginDir dir2;
   dir2.Add(C_REPLICA_FUTURE_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_FUTURE_SO)));
   Result info = Cai("plugins info c_replica", "CAI_PLUGIN_FILES=" + dir2.str());
   EXPECT_NE(info.code, 0);
-  ExpectContains(info.output, "needs host ABI 1.99 or newer; this host is 1.1");
+  ExpectContains(info.output,
+                 "needs host ABI 1.99 or newer; this host is 1." + std::to_string(CAI_ABI_MINOR));
 }
 
 TEST(PluginLoading, Sha256Mismatch_IsRefusedAndMatchAccepted) {

@@ -652,6 +652,10 @@ TEST(ModelApi, BadArguments_ReturnStatusesNamingThem) {
   s = Take(api->apply_tensor_parallel(h, &tp));
   EXPECT_EQ(s.code, CAI_UNIMPLEMENTED);
   EXPECT_NE(s.message.find("hybrid-parallel"), std::string::npos);
+  s = Take(api->set_buffer_dtype(h, cai_dtype{CAI_DTYPE_INT, 64, 1}));
+  EXPECT_EQ(s.code, CAI_INVALID_ARGUMENT);
+  EXPECT_EQ(s.message, "set_buffer_dtype: only fp32, bf16 and fp16 are supported");
+  EXPECT_EQ(api->set_buffer_dtype(h, cai_dtype{CAI_DTYPE_BFLOAT, 16, 1}), nullptr);  // none
   EXPECT_NE(std::string(api->describe(h)).find("gpt2 vocab_size=64"), std::string::npos);
 }
 

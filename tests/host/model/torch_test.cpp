@@ -66,15 +66,16 @@ ModelConfig Config(ModelConfig::Arch arch) {
 }
 
 // A small language model written in TorchScript: embedding, tanh, a child "head" module's
-// projection, and a buffer.
-std::string SaveTinyScriptModel(const std::string& path) {
+// projection, and a buffer; `count` adds an int64 buffer the forward does not read.
+std::string SaveTinyScriptModel(const std::string& path, double scale = 2.0, bool count = false) {
   torch::manual_seed(0);
   torch::jit::Module head("Head");
   head.register_parameter("weight", (torch::randn({16, 32}) * 0.1).requires_grad_(true), false);
   head.register_parameter("bias", torch::zeros({32}).requires_grad_(true), false);
   torch::jit::Module lm("TinyLM");
   lm.register_parameter("emb", (torch::randn({32, 16}) * 0.1).requires_grad_(true), false);
-  lm.register_buffer("scale", torch::full({1}, 2.0));
+  lm.register_buffer("scale", torch::full({1}, scale));
+  if (count) lm.register_buffer("count", torch::full({1}, 7, torch::kLong));
   lm.register_module("head", head);
   lm.define(R"JIT(
 def forward(self, tokens):
@@ -85,13 +86,17 @@ def forward(self, tokens):
   return path;
 }
 
-TEST(TorchScript, SavedModule_LoadsWithParametersAndTrains) {
-  const std::string path =
-      SaveTinyScriptModel((std::filesystem::temp_directory_path() /
-                           ("cai_model_test_" + std::to_string(::getpid()) + ".pt"))
-                              .string());
-  std::unique_ptr<Model> m = LoadTorchScriptModel(path);
+std::unique_ptr<Model> LoadTinyScriptModel(double scale, bool count = false) {
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("cai_model_test_" + std::to_string(::getpid()) + ".pt"))
+                               .string();
+  std::unique_ptr<Model> m = LoadTorchScriptModel(SaveTinyScriptModel(path, scale, count));
   std::filesystem::remove(path);
+  return m;
+}
+
+TEST(TorchScript, SavedModule_LoadsWithParametersAndTrains) {
+  std::unique_ptr<Model> m = LoadTinyScriptModel(2.0);
   ASSERT_EQ(m->NumParams(), 3u);
   ASSERT_EQ(m->NumUnits(), 1u);
   EXPECT_EQ(m->UnitInfo(0).num_params, 3u);
@@ -121,6 +126,43 @@ TEST(TorchScript, SavedModule_LoadsWithParametersAndTrains) {
   EXPECT_LT(losses.back(), losses.front() - 0.5);
   EXPECT_EQ(ready, 3 * 20);
   EXPECT_EQ(post_backward, 20);
+}
+
+// 2 + 2^-8 lies between bf16's neighbours 2 and 2 + 2^-6, so a bf16 buffer holds 2: the cast
+// model computes exactly what a model saved with scale 2 does (the fp32 activations times a
+// bf16 buffer promote to fp32), and not what the fp32 buffer did.
+TEST(TorchScript, SetBufferDtype_CastsFloatBuffersInTheModuleAndKeepsIntegerOnes) {
+  std::unique_ptr<Model> cast = LoadTinyScriptModel(2.0 + 1.0 / 256, /*count=*/true);
+  std::unique_ptr<Model> exact = LoadTinyScriptModel(2.0);
+  std::unique_ptr<Model> fine = LoadTinyScriptModel(2.0 + 1.0 / 256);
+  ASSERT_EQ(cast->NumBuffers(), 2u);
+  cast->SetBufferDtype(cai_dtype{CAI_DTYPE_BFLOAT, 16, 1});
+  const cai_tensor scale = cast->BufferData(0);
+  EXPECT_EQ(scale.dtype.code, CAI_DTYPE_BFLOAT);
+  EXPECT_EQ(ToFloat(scale).item<float>(), 2.0f);
+  const cai_tensor count = cast->BufferData(1);
+  EXPECT_EQ(count.dtype.code, CAI_DTYPE_INT);
+  EXPECT_EQ(count.dtype.bits, 64);
+  EXPECT_EQ(*static_cast<int64_t*>(count.data), 7);
+
+  Batch batch(32);
+  const auto loss = [&](Model& m) {
+    return m.ForwardBackward(batch.tokens_desc.view, batch.targets_desc.view, false);
+  };
+  const double cast_loss = loss(*cast);
+  EXPECT_EQ(cast_loss, loss(*exact));
+  EXPECT_NE(cast_loss, loss(*fine));
+
+  cast->SetBufferDtype(cai_dtype{CAI_DTYPE_FLOAT, 32, 1});
+  EXPECT_EQ(cast->BufferData(0).dtype.bits, 32);
+  EXPECT_EQ(ToFloat(cast->BufferData(0)).item<float>(), 2.0f);  // the rounding stays
+  try {
+    cast->SetBufferDtype(cai_dtype{CAI_DTYPE_INT, 32, 1});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), CAI_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("set_buffer_dtype"), std::string::npos);
+  }
 }
 
 TEST(TorchScript, MissingFile_IsInvalidArgumentNamingThePath) {

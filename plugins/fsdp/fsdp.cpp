@@ -24,7 +24,8 @@
 // precision), gradient sums and optimizer state slots; cpu_offload puts those three in the
 // host tier. Under bf16/fp16 or cpu_offload a compute-dtype device copy of the parameter
 // shard (S elements) is what the all-gathers read. Frozen parameters are not sharded: every
-// rank keeps them whole.
+// rank keeps them whole. Buffers are not sharded either; buffer_dtype casts them once at boost
+// (after sync_module_states broadcast them) through the model service, which ABI 1.2 added.
 //
 // One micro-batch (FULL_SHARD):
 //  start          root: all-gathered and its gradient buffer zeroed.
@@ -73,9 +74,8 @@
 // ("model/<name>", "optim/<name>/<slot>", the single-process reference's), a unit at a time
 // gathered and written by rank 0, which every strategy loads; load reads either.
 //
-// Not implemented: buffer_dtype (the model service keeps buffers as the model defines them;
-// GPT-2 and Llama here have none that train), asynchronous reduce-scatter (the prefetched
-// all-gathers are what overlaps compute).
+// Not implemented: asynchronous reduce-scatter (the prefetched all-gathers are what overlaps
+// compute).
 #include <algorithm>
 #include <cai/sdk.hpp>
 #include <cmath>
@@ -108,6 +108,7 @@ const char* const kShardingStrategies[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SH
 const char* const kAutoWrap[] = {"block", "size", "none", nullptr};
 const char* const kBackwardPrefetch[] = {"none", "pre", "post", nullptr};
 const char* const kReduceDtypes[] = {"param", "fp32", "bf16", "fp16", nullptr};
+const char* const kBufferDtypes[] = {"model", "param", "fp32", "bf16", "fp16", nullptr};
 const char* const kStateDictTypes[] = {"sharded", "full", nullptr};
 
 size_t Bytes(int64_t numel, cai_dtype dtype) {
@@ -179,6 +180,12 @@ class Fsdp {
                       "dtype gradients are reduced in: param (train.precision's), fp32, bf16 "
                       "or fp16. Shards accumulate in fp32 whatever it is.",
                       kReduceDtypes),
+            StringKey("buffer_dtype", "\"model\"",
+                      "dtype of the model's floating-point buffers in forward: model (as the "
+                      "model defines them, PyTorch's default), param (train.precision's), fp32, "
+                      "bf16 or fp16. An fp32 buffer in a bf16 forward turns what it touches "
+                      "back to fp32. Needs host ABI 1.2.",
+                      kBufferDtypes),
             BoolKey("cpu_offload", "false",
                     "Keep the sharded fp32 parameters, gradient sums and optimizer state in host "
                     "memory; the host's CPU optimizer updates them and the compute-dtype shard "
@@ -237,6 +244,7 @@ class Fsdp {
                                                        : Prefetch::kNone;
     prefetch_limit_ = config.Int("prefetch_limit");
     reduce_dtype_name_ = config.String("reduce_dtype");
+    buffer_dtype_name_ = config.String("buffer_dtype");
     offload_ = config.Bool("cpu_offload");
     full_state_dict_ = config.String("state_dict_type") == "full";
     scaler_config_ = cai::sdk::LossScalerConfig(config, kName);
@@ -263,6 +271,13 @@ class Fsdp {
                                              : compute_;
     const bool mixed = !SameDtype(compute_, kF32);
     const auto& model = *Host().model;
+    if (buffer_dtype_name_ != "model" &&
+        !CAI_HAS_FIELD(Host().model, cai_model_api, set_buffer_dtype)) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "fsdp: plugin.fsdp.buffer_dtype = \"" + buffer_dtype_name_ +
+                      "\" needs host ABI 1.2 (set_buffer_dtype); this host's model service is "
+                      "older. Upgrade cai, or set buffer_dtype = \"model\"");
+    }
     MakeGroups();
     PlanUnits();
 
@@ -311,6 +326,15 @@ class Fsdp {
     // The model casts its (still whole) parameters to the compute dtype; ours are then views
     // of the compute copy (NO_SHARD) or released until their unit is gathered.
     if (mixed) Check(model.set_compute_dtype(model_, compute_));
+    std::string buffers = "buffers as the model defines them";
+    if (buffer_dtype_name_ != "model") {
+      const cai_dtype dtype = buffer_dtype_name_ == "fp32"   ? kF32
+                              : buffer_dtype_name_ == "bf16" ? kBF16
+                              : buffer_dtype_name_ == "fp16" ? kF16
+                                                             : compute_;
+      Check(model.set_buffer_dtype(model_, dtype));
+      buffers = std::string(Name(dtype)) + " buffers";
+    }
     RefreshComputeShard();
     for (Unit& u : units_) {
       if (sharded_) {
@@ -338,8 +362,9 @@ class Fsdp {
 
     std::ostringstream layout;
     layout << "fsdp: " << strategy_name_ << ", " << Name(compute_) << " compute, " << Name(reduce_)
-           << " reduce, " << shards_ << " shards x " << replicas_ << " replicas, " << psi_
-           << " trainable elements, " << shard_numel_ << " in this rank's shards; unit sizes:";
+           << " reduce, " << buffers << ", " << shards_ << " shards x " << replicas_
+           << " replicas, " << psi_ << " trainable elements, " << shard_numel_
+           << " in this rank's shards; unit sizes:";
     for (const Unit& u : units_) layout << " " << u.name << "=" << u.numel;
     cai::sdk::Log(CAI_LOG_INFO, layout.str());
   }
@@ -1082,6 +1107,7 @@ class Fsdp {
   Prefetch backward_prefetch_ = Prefetch::kNone;
   int64_t prefetch_limit_ = 1;
   std::string reduce_dtype_name_;
+  std::string buffer_dtype_name_;
   bool offload_ = false;
   bool full_state_dict_ = false;
   cai_loss_scaler_config scaler_config_{};

@@ -52,8 +52,6 @@ using cai::sdk::SameDtype;
 using Clock = std::chrono::steady_clock;
 
 constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
-constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
-constexpr cai_dtype kF16{CAI_DTYPE_FLOAT, 16, 1};
 
 class Ddp {
  public:
@@ -112,9 +110,7 @@ class Ddp {
     model_ = args.model;
     optimizer_ = args.optimizer;
     precision_ = args.precision;
-    compute_dtype_ = precision_ == CAI_PRECISION_BF16   ? kBF16
-                     : precision_ == CAI_PRECISION_FP16 ? kF16
-                                                        : kF32;
+    compute_dtype_ = cai::sdk::ComputeDtype(precision_);
     const auto& model = *Host().model;
     const uint32_t num_params = model.num_params(model_);
 

@@ -101,7 +101,6 @@ using cai::sdk::SameDtype;
 constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
 constexpr cai_dtype kF64{CAI_DTYPE_FLOAT, 64, 1};
 constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
-constexpr cai_dtype kF16{CAI_DTYPE_FLOAT, 16, 1};
 
 const char* const kShardingStrategies[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
                                            "HYBRID_SHARD", nullptr};
@@ -262,13 +261,8 @@ class Fsdp {
     if (model_) throw Error(CAI_FAILED_PRECONDITION, "fsdp: boost was already called");
     model_ = args.model;
     optimizer_ = args.optimizer;
-    compute_ = args.precision == CAI_PRECISION_BF16   ? kBF16
-               : args.precision == CAI_PRECISION_FP16 ? kF16
-                                                      : kF32;
-    reduce_ = reduce_dtype_name_ == "fp32"   ? kF32
-              : reduce_dtype_name_ == "bf16" ? kBF16
-              : reduce_dtype_name_ == "fp16" ? kF16
-                                             : compute_;
+    compute_ = cai::sdk::ComputeDtype(args.precision);
+    reduce_ = cai::sdk::DtypeNamed(reduce_dtype_name_, compute_);
     const bool mixed = !SameDtype(compute_, kF32);
     const auto& model = *Host().model;
     if (buffer_dtype_name_ != "model" &&
@@ -328,10 +322,7 @@ class Fsdp {
     if (mixed) Check(model.set_compute_dtype(model_, compute_));
     std::string buffers = "buffers as the model defines them";
     if (buffer_dtype_name_ != "model") {
-      const cai_dtype dtype = buffer_dtype_name_ == "fp32"   ? kF32
-                              : buffer_dtype_name_ == "bf16" ? kBF16
-                              : buffer_dtype_name_ == "fp16" ? kF16
-                                                             : compute_;
+      const cai_dtype dtype = cai::sdk::DtypeNamed(buffer_dtype_name_, compute_);
       Check(model.set_buffer_dtype(model_, dtype));
       buffers = std::string(Name(dtype)) + " buffers";
     }

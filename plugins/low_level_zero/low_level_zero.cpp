@@ -65,8 +65,6 @@ using cai::sdk::SameDtype;
 
 constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
 constexpr cai_dtype kF64{CAI_DTYPE_FLOAT, 64, 1};
-constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
-constexpr cai_dtype kF16{CAI_DTYPE_FLOAT, 16, 1};
 
 // Stage 2 keeps at most this many buckets' staging buffers in flight: the oldest reduction is
 // waited for before a further one starts, so gradient memory stays bounded by
@@ -168,13 +166,8 @@ class LowLevelZero {
     optimizer_ = args.optimizer;
     precision_ = args.precision;
     mixed_ = precision_ != CAI_PRECISION_FP32;
-    compute_dtype_ = precision_ == CAI_PRECISION_BF16   ? kBF16
-                     : precision_ == CAI_PRECISION_FP16 ? kF16
-                                                        : kF32;
-    comm_dtype_ = comm_dtype_name_ == "fp32"   ? kF32
-                  : comm_dtype_name_ == "bf16" ? kBF16
-                  : comm_dtype_name_ == "fp16" ? kF16
-                                               : compute_dtype_;
+    compute_dtype_ = cai::sdk::ComputeDtype(precision_);
+    comm_dtype_ = cai::sdk::DtypeNamed(comm_dtype_name_, compute_dtype_);
     // Several reductions a step accumulate into an fp32 shard (the kernels add into fp32 only).
     const bool accumulates = stage_ == 2 && args.grad_accumulation > 1;
     shard_grad_dtype_ = accumulates ? kF32 : comm_dtype_;

@@ -14,17 +14,6 @@ namespace {
 using sdk::Check;
 using sdk::Host;
 
-cai_dtype DtypeOf(cai_precision precision) {
-  switch (precision) {
-    case CAI_PRECISION_BF16:
-      return {CAI_DTYPE_BFLOAT, 16, 1};
-    case CAI_PRECISION_FP16:
-      return {CAI_DTYPE_FLOAT, 16, 1};
-    default:
-      return {CAI_DTYPE_FLOAT, 32, 1};
-  }
-}
-
 cai_tensor Flat(void* data, int64_t* numel, int64_t* stride, cai_dtype dtype) {
   return cai_tensor{data, {CAI_DEVICE_CPU, 0}, 1, dtype, numel, stride, 0};
 }
@@ -96,7 +85,7 @@ class Reference {
       params_.push_back(std::move(p));
     }
     if (precision_ != CAI_PRECISION_FP32) {
-      Check(model.set_compute_dtype(model_, DtypeOf(precision_)));
+      Check(model.set_compute_dtype(model_, sdk::ComputeDtype(precision_)));
     }
     if (precision_ == CAI_PRECISION_FP16) scaler_.emplace(scaler_config_);
   }

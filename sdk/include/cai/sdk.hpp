@@ -278,6 +278,21 @@ class LossScaler {
 inline bool SameDtype(cai_dtype a, cai_dtype b) { return a.code == b.code && a.bits == b.bits; }
 inline size_t ElementSize(cai_dtype d) { return d.bits / 8; }
 
+// The dtype train.precision computes in.
+inline cai_dtype ComputeDtype(cai_precision precision) {
+  if (precision == CAI_PRECISION_BF16) return {CAI_DTYPE_BFLOAT, 16, 1};
+  if (precision == CAI_PRECISION_FP16) return {CAI_DTYPE_FLOAT, 16, 1};
+  return {CAI_DTYPE_FLOAT, 32, 1};
+}
+// The dtype a config value "fp32", "bf16" or "fp16" names; `otherwise` for the key's other
+// choices ("param", "compute", ...), which its schema already limited.
+inline cai_dtype DtypeNamed(std::string_view name, cai_dtype otherwise) {
+  if (name == "fp32") return {CAI_DTYPE_FLOAT, 32, 1};
+  if (name == "bf16") return {CAI_DTYPE_BFLOAT, 16, 1};
+  if (name == "fp16") return {CAI_DTYPE_FLOAT, 16, 1};
+  return otherwise;
+}
+
 // A 1-D view of `*numel` elements of `dtype` starting `offset` elements into `base`. `numel`
 // must outlive every use of the descriptor.
 inline cai_tensor FlatView(const Buffer& base, cai_dtype dtype, size_t offset, int64_t* numel) {

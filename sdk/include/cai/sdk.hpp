@@ -11,6 +11,16 @@
 //  - CAI_PLUGIN(Class): defines cai_plugin_init_v1 with two-way version negotiation and the
 //    strategy table, with required and optional methods detected at compile time.
 //
+// The building blocks of data-parallel strategies live beside it, each usable over any
+// communicator group (so a strategy can run them over a data-parallel sub-group):
+//   cai/sdk/flat.hpp            flat parameter/gradient storage (FlatLayout), the fused update
+//                               of any flat range (FlatOptimizer), canonical checkpoint I/O
+//   cai/sdk/collectives.hpp     broadcast of parameters and buffers, average over a group
+//   cai/sdk/step.hpp            the step epilogue: agreement on norm, overflow and used
+//                               parameters, loss scaling, clipping, lr (StepEpilogue)
+//   cai/sdk/bucket_reducer.hpp  DDP's bucketed gradient all-reduce (BucketReducer)
+//   cai/sdk/zero.hpp            the ZeRO-1/2 partitioned optimizer (ZeroOptimizer)
+//
 // A strategy class provides:
 //   static constexpr const char* kName, kVersion;   static constexpr uint64_t kCapabilities;
 //   static std::span<const cai_config_key> ConfigKeys();
@@ -324,6 +334,19 @@ inline cai_param_info ParamInfo(const cai_model* model, uint32_t index) {
   info.struct_size = CAI_PARAM_INFO_STRUCT_SIZE;
   Check(Host().model->param_info(model, index, &info));
   return info;
+}
+
+// The model parameters that own storage (tied aliases, tied_to >= 0, share the owner's), in
+// registration order; with `trainable`, only those that require a gradient, without, only the
+// frozen ones.
+inline std::vector<uint32_t> OwnedParams(const cai_model* model, bool trainable) {
+  std::vector<uint32_t> out;
+  for (uint32_t i = 0; i < Host().model->num_params(model); ++i) {
+    const cai_param_info info = ParamInfo(model, i);
+    if (info.tied_to >= 0) continue;
+    if (((info.flags & CAI_PARAM_REQUIRES_GRAD) != 0) == trainable) out.push_back(i);
+  }
+  return out;
 }
 
 // The optimizer's fp32 state values per element of `group` (2 for Adam, 1 for SGD+momentum),

@@ -1,29 +1,29 @@
-// The bucket assignment rule of libcai_ddp (plugins/ddp/bucket_plan.h), checked on its own.
-#include "bucket_plan.h"
-
+// The SDK bucket reducer's bucket assignment rule (cai/sdk/bucket_reducer.hpp), checked on its own.
 #include <gtest/gtest.h>
 
 #include <vector>
 
-namespace cai::ddp {
+#include "cai/sdk/bucket_reducer.hpp"
+
+namespace cai::sdk {
 namespace {
 
 using Ranges = std::vector<std::pair<size_t, size_t>>;
 constexpr size_t kMiB = size_t{1} << 20;
 
-TEST(DdpBucketPlan, FirstBucketClosesAtOneMiBThenAtTheCap) {
+TEST(SdkBucketPlan, FirstBucketClosesAtOneMiBThenAtTheCap) {
   // Ten 512 KiB gradients, 2 MiB cap: 1 MiB first, then 2 MiB buckets, then the remainder.
   const std::vector<size_t> bytes(10, kMiB / 2);
   EXPECT_EQ(PlanBuckets(bytes, 2 * kMiB), (Ranges{{0, 2}, {2, 6}, {6, 10}}));
 }
 
-TEST(DdpBucketPlan, GradientLargerThanTheCapGetsABucketOfItsOwn) {
+TEST(SdkBucketPlan, GradientLargerThanTheCapGetsABucketOfItsOwn) {
   const std::vector<size_t> bytes = {100, 5 * kMiB, 100, 100};
   EXPECT_EQ(PlanBuckets(bytes, 2 * kMiB), (Ranges{{0, 2}, {2, 4}}));
   EXPECT_EQ(PlanBuckets(bytes, 2 * kMiB, 64), (Ranges{{0, 1}, {1, 2}, {2, 4}}));
 }
 
-TEST(DdpBucketPlan, EveryGradientLandsInExactlyOneBucketInOrder) {
+TEST(SdkBucketPlan, EveryGradientLandsInExactlyOneBucketInOrder) {
   std::vector<size_t> bytes;
   for (size_t i = 0; i < 37; ++i) bytes.push_back((i * 7919) % 300000 + 4);
   const Ranges plan = PlanBuckets(bytes, 700000);
@@ -37,12 +37,12 @@ TEST(DdpBucketPlan, EveryGradientLandsInExactlyOneBucketInOrder) {
   EXPECT_EQ(next, bytes.size());
 }
 
-TEST(DdpBucketPlan, ZeroCapGivesEachGradientItsOwnBucket) {
+TEST(SdkBucketPlan, ZeroCapGivesEachGradientItsOwnBucket) {
   const std::vector<size_t> bytes = {4, 8, 12};
   EXPECT_EQ(PlanBuckets(bytes, 0), (Ranges{{0, 1}, {1, 2}, {2, 3}}));
 }
 
-TEST(DdpBucketPlan, NoGradientsNoBuckets) { EXPECT_TRUE(PlanBuckets({}, 25 * kMiB).empty()); }
+TEST(SdkBucketPlan, NoGradientsNoBuckets) { EXPECT_TRUE(PlanBuckets({}, 25 * kMiB).empty()); }
 
 }  // namespace
-}  // namespace cai::ddp
+}  // namespace cai::sdk

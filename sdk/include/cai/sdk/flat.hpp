@@ -1,0 +1,273 @@
+// cai SDK: parameters, gradients and optimizer state as flat pool buffers.
+//
+// A FlatLayout places model parameters end to end (with optional padding); every flat buffer
+// a strategy keeps for them (fp32 weights, 16-bit copies, gradients, optimizer state slots) is
+// laid out alike, so one offset finds a parameter in all of them and one fused optimizer call
+// updates any run of them. The model computes on views of such a buffer
+// (replace_param_storage), and .grad can accumulate straight into one (replace_grad_storage).
+//
+// Canonical checkpoint layout (docs/checkpoint-layout.md): "model/<name>" holds a parameter's
+// weights as fp32 in its shape, "optim/<name>/<slot>" optimizer state slot k as flat fp32.
+// Every strategy that writes it can be resumed by any other.
+#ifndef CAI_SDK_FLAT_HPP_
+#define CAI_SDK_FLAT_HPP_
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "cai/sdk.hpp"
+
+namespace cai::sdk {
+
+inline constexpr cai_dtype kFloat32{CAI_DTYPE_FLOAT, 32, 1};
+
+// A parameter's place in a flat layout.
+struct FlatSlot {
+  uint32_t param;  // model parameter index
+  uint32_t group;  // optimizer parameter group
+  int64_t numel;
+  size_t offset;  // elements into the flat buffers
+  std::vector<int64_t> shape;
+  std::string name;
+};
+
+class FlatLayout {
+ public:
+  // Appends model parameter `param` after everything added so far.
+  void Add(const cai_model* model, uint32_t param) {
+    const cai_param_info info = ParamInfo(model, param);
+    if (slot_of_.size() <= param) slot_of_.resize(param + 1, -1);
+    slot_of_[param] = static_cast<int32_t>(slots_.size());
+    slots_.push_back({param, info.group, info.numel, numel_,
+                      std::vector<int64_t>(info.shape, info.shape + info.ndim), info.name});
+    numel_ += static_cast<size_t>(info.numel);
+  }
+  // Leaves `elements` unused elements (zero in every buffer) after the last parameter.
+  void Pad(size_t elements) { numel_ += elements; }
+
+  size_t numel() const { return numel_; }  // parameters and padding
+  size_t size() const { return slots_.size(); }
+  bool empty() const { return slots_.empty(); }
+  const FlatSlot& operator[](size_t i) const { return slots_[i]; }
+  const std::vector<FlatSlot>& slots() const { return slots_; }
+  // Slot index of model parameter `param`, or -1 when the layout does not hold it.
+  int32_t SlotOf(uint32_t param) const { return param < slot_of_.size() ? slot_of_[param] : -1; }
+  // Slot i's elements in `buffer`, a flat buffer of this layout holding `dtype` elements. The
+  // descriptor stays valid while the layout and the buffer live.
+  cai_tensor View(const Buffer& buffer, cai_dtype dtype, size_t i) const {
+    return FlatView(buffer, dtype, slots_[i].offset, const_cast<int64_t*>(&slots_[i].numel));
+  }
+
+ private:
+  std::vector<FlatSlot> slots_;
+  std::vector<int32_t> slot_of_;
+  size_t numel_ = 0;
+};
+
+// A zero-filled pool buffer of `numel` elements of `dtype` (at least one byte).
+inline Buffer AllocFlat(cai_mem_tier tier, size_t numel, cai_dtype dtype, const char* tag) {
+  return Buffer::Alloc(tier, std::max<size_t>(numel * ElementSize(dtype), 1), tag,
+                       /*zero_fill=*/true);
+}
+
+// Refuses a model whose parameters are not fp32: strategies keep fp32 weights (or masters)
+// and cast to train.precision themselves.
+inline void RequireFp32Params(const cai_model* model, const char* strategy) {
+  for (uint32_t i = 0; i < Host().model->num_params(model); ++i) {
+    const cai_param_info info = ParamInfo(model, i);
+    if (info.tied_to < 0 && !SameDtype(info.dtype, kFloat32)) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  std::string(strategy) + ": parameter '" + info.name + "' is not fp32 at boost; " +
+                      strategy +
+                      " keeps fp32 weights and casts them to train.precision itself, so save "
+                      "the model in fp32");
+    }
+  }
+}
+
+// Copies every slot's current values from the model into `buffer` (cast to `dtype`).
+inline void CopyParamsInto(cai_model* model, const FlatLayout& layout, const Buffer& buffer,
+                           cai_dtype dtype) {
+  for (size_t i = 0; i < layout.size(); ++i) {
+    cai_tensor data{};
+    Check(Host().model->param_data(model, layout[i].param, &data));
+    RunKernel(CAI_KERNEL_COPY, &data, layout.View(buffer, dtype, i));
+  }
+}
+
+// The model's parameters become views of `buffer` (which must hold the model's dtype for
+// them); the strategy keeps `buffer` alive and its size unchanged while the model uses them.
+inline void PointParamsAt(cai_model* model, const FlatLayout& layout, const Buffer& buffer,
+                          cai_dtype dtype) {
+  for (size_t i = 0; i < layout.size(); ++i) {
+    cai_tensor view = layout.View(buffer, dtype, i);
+    Check(Host().model->replace_param_storage(model, layout[i].param, &view));
+  }
+}
+
+// Gradients accumulate straight into `buffer` (PyTorch DDP's gradient_as_bucket_view).
+inline void PointGradsAt(cai_model* model, const FlatLayout& layout, const Buffer& buffer,
+                         cai_dtype dtype) {
+  for (size_t i = 0; i < layout.size(); ++i) {
+    cai_tensor view = layout.View(buffer, dtype, i);
+    Check(Host().model->replace_grad_storage(model, layout[i].param, &view));
+  }
+}
+
+// Name of optimizer state slot `slot` of parameter `param` in the canonical layout.
+inline std::string OptimStateName(const std::string& param, uint32_t slot) {
+  return "optim/" + param + "/" + std::to_string(slot);
+}
+
+// The optimizer state of a flat range of `numel` fp32 parameters: one fp32 buffer per state
+// slot (2 for Adam, 1 for SGD with momentum), laid out like the parameters, and the host's
+// fused update over any piece of it.
+class FlatOptimizer {
+ public:
+  // One piece to update: elements [offset, offset + count) of the range, all of one group.
+  // `param` (fp32) and `grad` point at the piece's first element; `lowp`, when set, receives
+  // the updated values in `lowp_dtype` (the 16-bit copy the model computes with).
+  struct Piece {
+    uint32_t group = 0;
+    size_t offset = 0;
+    size_t count = 0;
+    float* param = nullptr;
+    const void* grad = nullptr;
+    cai_dtype grad_dtype = kFloat32;
+    void* lowp = nullptr;
+    cai_dtype lowp_dtype = kFloat32;
+  };
+
+  FlatOptimizer() = default;
+  FlatOptimizer(cai_optimizer* optimizer, size_t numel, cai_mem_tier tier, const char* tag)
+      : optimizer_(optimizer) {
+    for (uint32_t k = 0; k < MaxStateSlots(optimizer); ++k) {
+      state_.push_back(AllocFlat(tier, numel, kFloat32, tag));
+    }
+    // The fused update runs where the pool keeps this tier: the CPU, or the accelerator.
+    Buffer probe = state_.empty() ? AllocFlat(tier, 1, kFloat32, tag) : Buffer();
+    int64_t one = 1;
+    device_ = FlatView(state_.empty() ? probe : state_[0], kFloat32, 0, &one).device;
+  }
+
+  // Applies the optimizer step `step` (1-based) of the piece's group, with the gradient
+  // multiplied by `grad_scale` first (1/loss_scale times the clip coefficient).
+  void Update(const Piece& p, int64_t step, double grad_scale) const {
+    if (p.count == 0) return;
+    cai_optim_update_args u{};
+    u.struct_size = CAI_OPTIM_UPDATE_ARGS_STRUCT_SIZE;
+    u.optimizer = optimizer_;
+    u.group = p.group;
+    u.param = p.param;
+    u.grad = p.grad;
+    u.grad_dtype = p.grad_dtype;
+    for (uint32_t k = 0; k < StateSlots(optimizer_, p.group); ++k) {
+      u.state[k] = static_cast<float*>(state_[k].data()) + p.offset;
+    }
+    u.param_lowp = p.lowp;
+    u.param_lowp_dtype = p.lowp_dtype;
+    u.numel = p.count;
+    u.step = step;
+    u.lr = Host().optimizer->lr_at(optimizer_, p.group, step);
+    u.grad_scale = grad_scale;
+    u.device = device_;
+    Check(Host().optimizer->update(&u));
+  }
+
+  size_t num_slots() const { return state_.size(); }
+  // State slots group `group` uses (fewer than num_slots() for SGD beside Adam groups).
+  uint32_t SlotsOf(uint32_t group) const { return StateSlots(optimizer_, group); }
+  const Buffer& state(size_t k) const { return state_[k]; }
+  // Elements [offset, offset + *count) of slot k.
+  cai_tensor View(size_t k, size_t offset, const int64_t* count) const {
+    return FlatView(state_[k], kFloat32, offset, const_cast<int64_t*>(count));
+  }
+  uint64_t bytes() const {
+    uint64_t b = 0;
+    for (const Buffer& s : state_) b += s.size();
+    return b;
+  }
+
+ private:
+  cai_optimizer* optimizer_ = nullptr;
+  std::vector<Buffer> state_;
+  cai_device device_{CAI_DEVICE_CPU, 0};
+};
+
+// Frozen parameters are model state too: every rank keeps them whole, and the canonical
+// layout holds them as "model/<name>" fp32 (whatever they compute in). Save on one rank.
+inline void SaveFrozenParams(cai_model* model, cai_checkpoint* ckpt) {
+  for (uint32_t p : OwnedParams(model, /*trainable=*/false)) {
+    cai_tensor data{};
+    Check(Host().model->param_data(model, p, &data));
+    WriteAsFp32(ckpt, "model/" + std::string(ParamInfo(model, p).name), data);
+  }
+}
+inline void LoadFrozenParams(cai_model* model, cai_checkpoint* ckpt) {
+  for (uint32_t p : OwnedParams(model, /*trainable=*/false)) {
+    cai_tensor data{};
+    Check(Host().model->param_data(model, p, &data));
+    const std::string name = "model/" + std::string(ParamInfo(model, p).name);
+    Check(Host().checkpoint->read_tensor(ckpt, name.c_str(), 0, 0, &data));
+  }
+}
+inline uint64_t FrozenParamBytes(const cai_model* model) {
+  uint64_t bytes = 0;
+  for (uint32_t p : OwnedParams(model, /*trainable=*/false)) {
+    const cai_param_info info = ParamInfo(model, p);
+    bytes += static_cast<uint64_t>(info.numel) * ElementSize(info.dtype);
+  }
+  return bytes;
+}
+
+// Saves the canonical layout of a replicated flat model: every slot's fp32 `weights` as
+// "model/<name>" in its shape, every frozen parameter as "model/<name>", and the optimizer
+// state as "optim/<name>/<k>". Call it on one rank (the others hold the same values).
+inline void SaveFlatReplica(cai_model* model, const cai_checkpoint_args& args,
+                            const FlatLayout& layout, const Buffer& weights,
+                            const FlatOptimizer& optim) {
+  if (args.model) {
+    for (size_t i = 0; i < layout.size(); ++i) {
+      WriteAsFp32(args.checkpoint, "model/" + layout[i].name, layout.View(weights, kFloat32, i),
+                  layout[i].shape);
+    }
+    SaveFrozenParams(model, args.checkpoint);
+  }
+  if (args.optimizer) {
+    for (size_t i = 0; i < layout.size(); ++i) {
+      for (uint32_t k = 0; k < optim.SlotsOf(layout[i].group); ++k) {
+        cai_tensor t = optim.View(k, layout[i].offset, &layout[i].numel);
+        Check(Host().checkpoint->write_tensor(args.checkpoint,
+                                              OptimStateName(layout[i].name, k).c_str(), &t));
+      }
+    }
+  }
+}
+
+// Reads what SaveFlatReplica wrote (or any strategy's canonical checkpoint) on every rank.
+inline void LoadFlatReplica(cai_model* model, const cai_checkpoint_args& args,
+                            const FlatLayout& layout, const Buffer& weights,
+                            const FlatOptimizer& optim) {
+  const cai_checkpoint_api& ckpt = *Host().checkpoint;
+  if (args.model) {
+    for (size_t i = 0; i < layout.size(); ++i) {
+      cai_tensor t = layout.View(weights, kFloat32, i);
+      Check(ckpt.read_tensor(args.checkpoint, ("model/" + layout[i].name).c_str(), 0, 0, &t));
+    }
+    LoadFrozenParams(model, args.checkpoint);
+  }
+  if (args.optimizer) {
+    for (size_t i = 0; i < layout.size(); ++i) {
+      for (uint32_t k = 0; k < optim.SlotsOf(layout[i].group); ++k) {
+        cai_tensor t = optim.View(k, layout[i].offset, &layout[i].numel);
+        Check(
+            ckpt.read_tensor(args.checkpoint, OptimStateName(layout[i].name, k).c_str(), 0, 0, &t));
+      }
+    }
+  }
+}
+
+}  // namespace cai::sdk
+
+#endif  // CAI_SDK_FLAT_HPP_

@@ -165,33 +165,22 @@ class Ddp {
     const cai::sdk::StepDecision d = epilogue_->Decide(sums, result, nullptr, /*agree=*/false);
     if (d.skipped) return;
     // One fused update per run of consecutive slots of one group that the step updates.
-    const cai::sdk::FlatLayout& layout = reducer_->layout();
-    const std::vector<uint8_t>& update = reducer_->updated();
-    for (size_t first = 0; first < layout.size();) {
-      if (!update[first]) {
-        ++first;
-        continue;
-      }
-      size_t last = first + 1;
-      while (last < layout.size() && update[last] && layout[last].group == layout[first].group) {
-        ++last;
-      }
-      const size_t at = layout[first].offset;
-      cai::sdk::FlatOptimizer::Piece piece;
-      piece.group = layout[first].group;
-      piece.offset = at;
-      piece.count = layout[last - 1].offset + layout[last - 1].numel - at;
-      piece.param = static_cast<float*>(weights_.data()) + at;
-      piece.grad = static_cast<const char*>(reducer_->grads().data()) +
-                   at * cai::sdk::ElementSize(compute_dtype_);
-      piece.grad_dtype = compute_dtype_;
-      if (lowp_.get()) {
-        piece.lowp = static_cast<char*>(lowp_.data()) + at * cai::sdk::ElementSize(compute_dtype_);
-        piece.lowp_dtype = compute_dtype_;
-      }
-      optim_.Update(piece, d.step, d.grad_scale);
-      first = last;
-    }
+    const size_t e = cai::sdk::ElementSize(compute_dtype_);
+    cai::sdk::ForEachGroupRun(
+        reducer_->layout(), reducer_->updated(), [&](size_t at, size_t count, uint32_t group) {
+          cai::sdk::FlatOptimizer::Piece piece;
+          piece.group = group;
+          piece.offset = at;
+          piece.count = count;
+          piece.param = static_cast<float*>(weights_.data()) + at;
+          piece.grad = static_cast<const char*>(reducer_->grads().data()) + at * e;
+          piece.grad_dtype = compute_dtype_;
+          if (lowp_.get()) {
+            piece.lowp = static_cast<char*>(lowp_.data()) + at * e;
+            piece.lowp_dtype = compute_dtype_;
+          }
+          optim_.Update(piece, d.step, d.grad_scale);
+        });
   }
 
   void ZeroGrad() {

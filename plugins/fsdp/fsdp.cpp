@@ -78,6 +78,8 @@
 // compute).
 #include <algorithm>
 #include <cai/sdk.hpp>
+#include <cai/sdk/flat.hpp>
+#include <cai/sdk/step.hpp>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -99,7 +101,6 @@ using cai::sdk::RunKernel;
 using cai::sdk::SameDtype;
 
 constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
-constexpr cai_dtype kF64{CAI_DTYPE_FLOAT, 64, 1};
 constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
 
 const char* const kShardingStrategies[] = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
@@ -278,9 +279,8 @@ class Fsdp {
     const cai_mem_tier state_tier = offload_ ? CAI_MEM_HOST : CAI_MEM_DEVICE;
     params_ = Alloc(state_tier, shard_numel_, kF32, "fsdp.param_shard");
     grads_ = Alloc(state_tier, shard_numel_, kF32, "fsdp.grad_shard");
-    for (uint32_t k = 0; k < cai::sdk::MaxStateSlots(optimizer_); ++k) {
-      state_.push_back(Alloc(state_tier, shard_numel_, kF32, "fsdp.optim_state"));
-    }
+    optim_ = cai::sdk::FlatOptimizer(optimizer_, static_cast<size_t>(shard_numel_), state_tier,
+                                     "fsdp.optim_state");
     cai_tensor probe = View(params_, kF32, 0, &shard_numel_);
     state_device_ = probe.device;
     if (mixed || offload_) {
@@ -334,7 +334,8 @@ class Fsdp {
         PointParams(u, compute_shard_.get() ? compute_shard_ : params_, u.base);
       }
     }
-    if (args.precision == CAI_PRECISION_FP16) scaler_.emplace(scaler_config_);
+    epilogue_.emplace(optimizer_);
+    if (args.precision == CAI_PRECISION_FP16) epilogue_->EnableLossScaling(scaler_config_);
     used_.assign(num_members_, 0);
 
     const cai_hook_kind kinds[] = {CAI_HOOK_PRE_FORWARD, CAI_HOOK_POST_FORWARD,
@@ -370,7 +371,7 @@ class Fsdp {
     BeginGrads(root);
     backward_ = true;
     cai_status* status = cai::sdk::Guard(
-        [&] { cai::sdk::RunMicroBatch(model_, batch, true, scaler_ ? scaler_->scale() : 1.0); });
+        [&] { cai::sdk::RunMicroBatch(model_, batch, true, epilogue_->loss_scale()); });
     Check(status);
     // A unit whose backward never ended (no gradient reached it) is reduced here, in unit
     // order, which every rank shares.
@@ -396,70 +397,37 @@ class Fsdp {
     for (Unit& u : units_) {
       if (u.grads.get()) ReduceGrads(u);
     }
-    // [0] squared norm of the gradient shards, replica 0's only (the others hold copies);
-    // [1] fp16 overflow on some rank; [2 + member] ranks the parameter got a gradient on.
-    std::vector<double> sums(2 + num_members_, 0.0);
+    // Σ g² of the gradient shards (replica 0's only: the other replicas hold copies), fp16
+    // overflow, and per member whether it got a gradient here: agreed over the world.
+    cai::sdk::StepSums sums;
     const cai_tensor grads = View(grads_, kF32, 0, &shard_numel_);
-    if (replica_index_ == 0) RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, grads, 0, &sums[0]);
-    if (scaler_) {
+    if (replica_index_ == 0)
+      RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, grads, 0, &sums.sum_squares);
+    if (epilogue_->loss_scaling()) {
       double finite = 0;
       RunKernel(CAI_KERNEL_ALL_FINITE, nullptr, grads, 0, &finite);
-      sums[1] = finite == 1.0 ? 0 : 1;
+      sums.overflow = finite != 1.0;
     }
-    for (size_t m = 0; m < num_members_; ++m) sums[2 + m] = used_[m];
-    if (world_ > 1) {
-      // In the communicator's memory (device memory under NCCL).
-      const int64_t n = static_cast<int64_t>(sums.size());
-      Buffer travel = Alloc(CAI_MEM_DEVICE, n, kF64, "fsdp.step_sums");
-      Check(Host().mempool->copy(travel.data(), sums.data(), sums.size() * 8, nullptr));
-      RunCollective(CAI_COMM_ALL_REDUCE, nullptr, View(travel, kF64, 0, &n), false);
-      Check(Host().mempool->copy(sums.data(), travel.data(), sums.size() * 8, nullptr));
-    }
-    const double scale = scaler_ ? scaler_->scale() : 1.0;
-    if (scaler_ && scaler_->Update(sums[1] > 0)) {
-      result.skipped = true;
-      result.grad_norm = INFINITY;
-      result.loss_scale = scaler_->scale();
-      result.lr = Host().optimizer->lr_at(optimizer_, 0, step_ + 1);
-      cai::sdk::Log(CAI_LOG_INFO, "fsdp: inf/nan in the fp16 gradients; step skipped, loss scale " +
-                                      std::to_string(scale) + " -> " +
-                                      std::to_string(scaler_->scale()));
-      return;
-    }
-    const double norm = std::sqrt(sums[0]) / scale;
-    const double grad_scale = Host().optimizer->clip_coefficient(optimizer_, norm) / scale;
-    ++step_;
+    sums.used.assign(used_.begin(), used_.end());
+    const cai::sdk::StepDecision d = epilogue_->Decide(sums, result);
+    if (d.skipped) return;
     // Each used parameter's part of this rank's shard of its unit.
     for (const Unit& u : units_) {
       const int64_t lo = shard_index_ * u.shard, hi = lo + u.shard;
       for (const Member& m : u.members) {
-        if (sums[2 + m.index] == 0) continue;
+        if (sums.used[m.index] == 0) continue;
         const int64_t a = std::max(lo, m.offset), b = std::min(hi, m.offset + m.numel);
         if (a >= b) continue;
-        const int64_t at = u.base + (a - lo);
-        cai_optim_update_args up{};
-        up.struct_size = CAI_OPTIM_UPDATE_ARGS_STRUCT_SIZE;
-        up.optimizer = optimizer_;
-        up.group = m.group;
-        up.param = static_cast<float*>(params_.data()) + at;
-        up.grad = static_cast<float*>(grads_.data()) + at;
-        up.grad_dtype = kF32;
-        for (uint32_t k = 0; k < cai::sdk::StateSlots(optimizer_, m.group); ++k) {
-          up.state[k] = static_cast<float*>(state_[k].data()) + at;
-        }
-        up.numel = static_cast<size_t>(b - a);
-        up.step = step_;
-        up.lr = Host().optimizer->lr_at(optimizer_, m.group, step_);
-        up.grad_scale = grad_scale;
-        up.device = state_device_;
-        Check(Host().optimizer->update(&up));
+        cai::sdk::FlatOptimizer::Piece piece;
+        piece.group = m.group;
+        piece.offset = static_cast<size_t>(u.base + (a - lo));
+        piece.count = static_cast<size_t>(b - a);
+        piece.param = static_cast<float*>(params_.data()) + piece.offset;
+        piece.grad = static_cast<float*>(grads_.data()) + piece.offset;
+        optim_.Update(piece, d.step, d.grad_scale);
       }
     }
     RefreshComputeShard();
-    result.skipped = false;
-    result.grad_norm = norm;
-    result.loss_scale = scaler_ ? scaler_->scale() : 1.0;
-    result.lr = Host().optimizer->lr_at(optimizer_, 0, step_);
   }
 
   void ZeroGrad() {
@@ -487,15 +455,12 @@ class Fsdp {
         cai::sdk::WriteAsFp32(args.checkpoint, "model/" + ParamName(i), data);
       }
     }
-    if (rank_ == 0 && args.optimizer) {
-      Check(Host().checkpoint->write_meta(args.checkpoint, "fsdp.step",
-                                          std::to_string(step_).c_str()));
-      if (scaler_) cai::sdk::SaveLossScalerState(*scaler_, args.checkpoint, "fsdp.loss_scaler");
-    }
+    if (rank_ == 0 && args.optimizer) epilogue_->Save(args.checkpoint, kName);
   }
 
   void Load(const cai_checkpoint_args& args) {
-    const std::optional<std::string> index = TryMeta(args.checkpoint, "fsdp.index");
+    const std::optional<std::string> index =
+        cai::sdk::ReadMetaIfPresent(args.checkpoint, "fsdp.index");
     if (index) {
       LoadSharded(args, *index);
     } else {
@@ -510,19 +475,7 @@ class Fsdp {
       }
       RefreshComputeShard();
     }
-    if (args.optimizer) {
-      const std::optional<std::string> step = TryMeta(args.checkpoint, "fsdp.step");
-      if (!step) {
-        throw Error(
-            CAI_NOT_FOUND,
-            "fsdp: the checkpoint has no meta 'fsdp.step': another strategy wrote its optimizer "
-            "state; resume it with that strategy (plugin.name)");
-      }
-      step_ = std::stoll(*step);
-      if (scaler_ && TryMeta(args.checkpoint, "fsdp.loss_scaler")) {
-        cai::sdk::LoadLossScalerState(*scaler_, args.checkpoint, "fsdp.loss_scaler");
-      }
-    }
+    if (args.optimizer) epilogue_->Load(args.checkpoint, kName);
   }
 
   void Stats(cai_strategy_stats& stats) {
@@ -530,7 +483,7 @@ class Fsdp {
     const bool mixed = !SameDtype(compute_, kF32);
     stats.param_bytes = (mixed ? compute_shard_.size() : params_.size()) + frozen;
     stats.grad_bytes = grads_.size();
-    for (const Buffer& s : state_) stats.optimizer_state_bytes += s.size();
+    stats.optimizer_state_bytes = optim_.bytes();
     stats.master_bytes = mixed ? params_.size() : 0;
     stats.overlap_ratio = 0;  // measured nowhere yet: prefetch overlaps, reductions do not
     // The forward's peak of parameter memory, for the bound Ψ/G + (prefetch+1)·unit.
@@ -890,16 +843,6 @@ class Fsdp {
 
   // ---- Checkpoints ------------------------------------------------------------------------
 
-  static std::optional<std::string> TryMeta(cai_checkpoint* ckpt, const char* key) {
-    const char* value = nullptr;
-    cai_status* status = Host().checkpoint->read_meta(ckpt, key, &value);
-    if (status) {
-      Host().status_destroy(status);
-      return std::nullopt;
-    }
-    return std::string(value);
-  }
-
   // This rank's shard of unit u from `shards` (fp32, either tier) on the device.
   cai_tensor DeviceShard(const Unit& u, const Buffer& shards, Buffer& staging) const {
     if (!offload_) return View(shards, kF32, u.base, &u.shard);
@@ -940,8 +883,8 @@ class Fsdp {
       for (const Unit& u : units_) write_unit(u, params_, "");
     }
     if (args.optimizer) {
-      for (size_t k = 0; k < state_.size(); ++k) {
-        for (const Unit& u : units_) write_unit(u, state_[k], "/" + std::to_string(k));
+      for (size_t k = 0; k < optim_.num_slots(); ++k) {
+        for (const Unit& u : units_) write_unit(u, optim_.state(k), "/" + std::to_string(k));
       }
     }
   }
@@ -965,8 +908,8 @@ class Fsdp {
       for (const Unit& u : units_) read_unit(u, params_, "");
     }
     if (args.optimizer) {
-      for (size_t k = 0; k < state_.size(); ++k) {
-        for (const Unit& u : units_) read_unit(u, state_[k], "/" + std::to_string(k));
+      for (size_t k = 0; k < optim_.num_slots(); ++k) {
+        for (const Unit& u : units_) read_unit(u, optim_.state(k), "/" + std::to_string(k));
       }
     }
   }
@@ -987,8 +930,8 @@ class Fsdp {
         Check(Host().checkpoint->write_tensor(
             args.checkpoint, ShardTensor(u.name, "param", shard_index_).c_str(), &t));
       }
-      for (size_t k = 0; args.optimizer && k < state_.size(); ++k) {
-        const cai_tensor t = View(state_[k], kF32, u.base, &u.shard);
+      for (size_t k = 0; args.optimizer && k < optim_.num_slots(); ++k) {
+        const cai_tensor t = View(optim_.state(k), kF32, u.base, &u.shard);
         Check(Host().checkpoint->write_tensor(
             args.checkpoint, ShardTensor(u.name, "state" + std::to_string(k), shard_index_).c_str(),
             &t));
@@ -1078,8 +1021,8 @@ class Fsdp {
       for (const Unit& u : units_) read_unit(u, params_, "param");
     }
     if (args.optimizer) {
-      for (size_t k = 0; k < state_.size(); ++k) {
-        for (const Unit& u : units_) read_unit(u, state_[k], "state" + std::to_string(k));
+      for (size_t k = 0; k < optim_.num_slots(); ++k) {
+        for (const Unit& u : units_) read_unit(u, optim_.state(k), "state" + std::to_string(k));
       }
     }
   }
@@ -1127,16 +1070,15 @@ class Fsdp {
 
   // This rank's shards, S fp32 elements each, units end to end.
   Buffer params_;
-  Buffer grads_;               // gradient sums since zero_grad
-  std::vector<Buffer> state_;  // optimizer state slots
-  Buffer compute_shard_;       // S compute-dtype elements on the device (mixed or offload)
-  std::optional<cai::sdk::LossScaler> scaler_;
+  Buffer grads_;                   // gradient sums since zero_grad
+  cai::sdk::FlatOptimizer optim_;  // optimizer state slots of the shards
+  Buffer compute_shard_;           // S compute-dtype elements on the device (mixed or offload)
+  std::optional<cai::sdk::StepEpilogue> epilogue_;
 
   bool backward_ = false;     // the current model call back-propagates
   bool in_backward_ = false;  // its backward has begun
   bool no_sync_ = false;
-  std::vector<uint8_t> used_;  // trainable parameter got a gradient on this rank since zero_grad
-  int64_t step_ = 0;
+  std::vector<uint8_t> used_;    // trainable parameter got a gradient on this rank since zero_grad
   uint64_t gathered_bytes_ = 0;  // gathered units alive now
   uint64_t forward_param_peak_ = 0;
 };

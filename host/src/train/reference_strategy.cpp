@@ -7,16 +7,14 @@
 #include <vector>
 
 #include "cai/sdk.hpp"
+#include "cai/sdk/flat.hpp"
+#include "cai/sdk/step.hpp"
 
 namespace cai {
 namespace {
 
 using sdk::Check;
 using sdk::Host;
-
-cai_tensor Flat(void* data, int64_t* numel, int64_t* stride, cai_dtype dtype) {
-  return cai_tensor{data, {CAI_DEVICE_CPU, 0}, 1, dtype, numel, stride, 0};
-}
 
 // Single-process training: forward/backward through the model, then (mixed precision aside)
 // exactly what every data-parallel strategy must reproduce: unscale, global-norm clip, fused
@@ -61,174 +59,129 @@ class Reference {
 
   void Boost(const cai_boost_args& args) {
     model_ = args.model;
-    optimizer_ = args.optimizer;
     precision_ = args.precision;
-    const auto& model = *Host().model;
-    for (uint32_t i = 0; i < model.num_params(model_); ++i) {
-      cai_param_info info{};
-      info.struct_size = CAI_PARAM_INFO_STRUCT_SIZE;
-      Check(model.param_info(model_, i, &info));
-      if (info.tied_to >= 0 || !(info.flags & CAI_PARAM_REQUIRES_GRAD)) continue;
-      Param p{i, info.group, info.numel, {}, {}};
-      cai_optim_group_info group{};
-      group.struct_size = CAI_OPTIM_GROUP_INFO_STRUCT_SIZE;
-      Check(Host().optimizer->group_info(optimizer_, p.group, &group));
-      for (uint32_t s = 0; s < group.state_slots; ++s) {
-        p.state.push_back(Alloc(p.numel, "reference.optimizer_state"));
-      }
-      if (precision_ != CAI_PRECISION_FP32) {
-        p.master = Alloc(p.numel, "reference.master");
-        cai_tensor data{};
-        Check(model.param_data(model_, i, &data));
-        Copy(data, p.master, p.numel);
-      }
-      params_.push_back(std::move(p));
-    }
+    for (uint32_t p : sdk::OwnedParams(model_, /*trainable=*/true)) layout_.Add(model_, p);
+    optim_ = sdk::FlatOptimizer(args.optimizer, layout_.numel(), CAI_MEM_DEVICE,
+                                "reference.optimizer_state");
     if (precision_ != CAI_PRECISION_FP32) {
-      Check(model.set_compute_dtype(model_, sdk::ComputeDtype(precision_)));
+      masters_ = sdk::AllocFlat(CAI_MEM_DEVICE, layout_.numel(), sdk::kFloat32, "reference.master");
+      sdk::CopyParamsInto(model_, layout_, masters_, sdk::kFloat32);
+      Check(Host().model->set_compute_dtype(model_, sdk::ComputeDtype(precision_)));
     }
-    if (precision_ == CAI_PRECISION_FP16) scaler_.emplace(scaler_config_);
+    epilogue_.emplace(args.optimizer);
+    if (precision_ == CAI_PRECISION_FP16) epilogue_->EnableLossScaling(scaler_config_);
   }
 
   void NoSync(bool) {}  // nothing is communicated
 
-  void ForwardBackward(const cai_micro_batch& batch) { Run(batch, true); }
-  void Evaluate(const cai_micro_batch& batch) { Run(batch, false); }
+  void ForwardBackward(const cai_micro_batch& batch) {
+    sdk::RunMicroBatch(model_, batch, true, epilogue_->loss_scale());
+  }
+  void Evaluate(const cai_micro_batch& batch) { sdk::RunMicroBatch(model_, batch, false); }
 
   void Step(cai_step_result& result) {
     const auto& model = *Host().model;
-    const double scale = scaler_ ? scaler_->scale() : 1.0;
-    std::vector<cai_tensor> grads(params_.size());
-    double sum_squares = 0;
-    bool finite = true;
-    for (size_t k = 0; k < params_.size(); ++k) {
-      cai_status* missing = model.param_grad(model_, params_[k].index, &grads[k]);
+    std::vector<cai_tensor> grads(layout_.size());
+    sdk::StepSums sums;
+    sums.used.assign(layout_.size(), 0);
+    for (size_t k = 0; k < layout_.size(); ++k) {
+      cai_status* missing = model.param_grad(model_, layout_[k].param, &grads[k]);
       if (missing) {  // unused this step: no gradient, no update (torch.optim semantics)
         Host().status_destroy(missing);
-        grads[k].data = nullptr;
         continue;
       }
+      sums.used[k] = 1;
       double sq = 0;
-      Kernel(CAI_KERNEL_SUM_SQUARES, grads[k], &sq);
-      sum_squares += sq;
-      if (scaler_) {
+      sdk::RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, grads[k], 0, &sq);
+      sums.sum_squares += sq;
+      if (epilogue_->loss_scaling()) {
         double ok = 0;
-        Kernel(CAI_KERNEL_ALL_FINITE, grads[k], &ok);
-        finite = finite && ok == 1.0;
+        sdk::RunKernel(CAI_KERNEL_ALL_FINITE, nullptr, grads[k], 0, &ok);
+        sums.overflow = sums.overflow || ok != 1.0;
       }
     }
-    result.loss_scale = scale;
-    if (scaler_ && scaler_->Update(!finite)) {
-      result.skipped = true;
-      result.grad_norm = INFINITY;
-      result.loss_scale = scaler_->scale();
-      return;
-    }
-    const double norm = std::sqrt(sum_squares) / scale;
-    const double coefficient = Host().optimizer->clip_coefficient(optimizer_, norm) / scale;
-    ++step_;
-    for (size_t k = 0; k < params_.size(); ++k) {
-      if (!grads[k].data) continue;
-      Param& p = params_[k];
+    const sdk::StepDecision d = epilogue_->Decide(sums, result);
+    if (d.skipped) return;
+    for (size_t k = 0; k < layout_.size(); ++k) {
+      if (!sums.used[k]) continue;
       cai_tensor data{};
-      Check(model.param_data(model_, p.index, &data));
-      cai_optim_update_args update{};
-      update.struct_size = CAI_OPTIM_UPDATE_ARGS_STRUCT_SIZE;
-      update.optimizer = optimizer_;
-      update.group = p.group;
+      Check(model.param_data(model_, layout_[k].param, &data));
+      sdk::FlatOptimizer::Piece piece;
+      piece.group = layout_[k].group;
+      piece.offset = layout_[k].offset;
+      piece.count = static_cast<size_t>(layout_[k].numel);
       if (precision_ == CAI_PRECISION_FP32) {
-        update.param = static_cast<float*>(data.data);
+        piece.param = static_cast<float*>(data.data);
       } else {
-        update.param = static_cast<float*>(p.master.data());
-        update.param_lowp = data.data;
-        update.param_lowp_dtype = data.dtype;
+        piece.param = static_cast<float*>(masters_.data()) + layout_[k].offset;
+        piece.lowp = data.data;
+        piece.lowp_dtype = data.dtype;
       }
-      update.grad = grads[k].data;
-      update.grad_dtype = grads[k].dtype;
-      for (size_t s = 0; s < p.state.size(); ++s) {
-        update.state[s] = static_cast<float*>(p.state[s].data());
-      }
-      update.numel = static_cast<size_t>(p.numel);
-      update.step = step_;
-      update.lr = Host().optimizer->lr_at(optimizer_, p.group, step_);
-      update.grad_scale = coefficient;
-      update.device = data.device;
-      Check(Host().optimizer->update(&update));
+      piece.grad = grads[k].data;
+      piece.grad_dtype = grads[k].dtype;
+      optim_.Update(piece, d.step, d.grad_scale);
     }
-    result.skipped = false;
-    result.grad_norm = norm;
-    result.loss_scale = scaler_ ? scaler_->scale() : 1.0;
-    result.lr = Host().optimizer->lr_at(optimizer_, 0, step_);
   }
 
   void ZeroGrad() { Check(Host().model->zero_grad(model_, false)); }
 
+  // The canonical full layout every strategy's parity is checked in: "model/<name>" holds
+  // fp32 weights (the masters under mixed precision), "optim/<name>/<slot>" the state.
   void Save(const cai_checkpoint_args& args) {
-    const auto& ckpt = *Host().checkpoint;
-    ForEachTensor(args, [&](const std::string& name, const cai_tensor& t) {
-      Check(ckpt.write_tensor(args.checkpoint, name.c_str(), &t));
-    });
-    if (args.optimizer) {
-      Check(ckpt.write_meta(args.checkpoint, "none.step", std::to_string(step_).c_str()));
-      if (scaler_) {
-        cai_loss_scaler_state state{};
-        state.struct_size = CAI_LOSS_SCALER_STATE_STRUCT_SIZE;
-        Check(Host().optimizer->loss_scaler_get_state(scaler_->get(), &state));
-        char text[128];
-        std::snprintf(text, sizeof text, "%.17g %lld %lld", state.scale,
-                      static_cast<long long>(state.clean_steps),
-                      static_cast<long long>(state.overflows_left));
-        Check(ckpt.write_meta(args.checkpoint, "none.loss_scaler", text));
+    if (precision_ == CAI_PRECISION_FP32) {
+      // The model's own parameters are the weights.
+      if (args.model) {
+        for (size_t k = 0; k < layout_.size(); ++k) {
+          cai_tensor data{};
+          Check(Host().model->param_data(model_, layout_[k].param, &data));
+          sdk::WriteAsFp32(args.checkpoint, "model/" + layout_[k].name, data);
+        }
+        sdk::SaveFrozenParams(model_, args.checkpoint);
       }
+      cai_checkpoint_args rest = args;
+      rest.model = false;
+      sdk::SaveFlatReplica(model_, rest, layout_, masters_, optim_);
+    } else {
+      sdk::SaveFlatReplica(model_, args, layout_, masters_, optim_);
     }
+    if (args.optimizer) epilogue_->Save(args.checkpoint, kName);
   }
 
   void Load(const cai_checkpoint_args& args) {
-    const auto& ckpt = *Host().checkpoint;
-    ForEachTensor(args, [&](const std::string& name, const cai_tensor& t) {
-      Check(ckpt.read_tensor(args.checkpoint, name.c_str(), 0, 0, &t));
-    });
-    if (args.model && precision_ != CAI_PRECISION_FP32) {
+    if (precision_ == CAI_PRECISION_FP32) {
+      if (args.model) {
+        for (size_t k = 0; k < layout_.size(); ++k) {
+          cai_tensor data{};
+          Check(Host().model->param_data(model_, layout_[k].param, &data));
+          const std::string name = "model/" + layout_[k].name;
+          Check(Host().checkpoint->read_tensor(args.checkpoint, name.c_str(), 0, 0, &data));
+        }
+        sdk::LoadFrozenParams(model_, args.checkpoint);
+      }
+      cai_checkpoint_args rest = args;
+      rest.model = false;
+      sdk::LoadFlatReplica(model_, rest, layout_, masters_, optim_);
+    } else {
+      sdk::LoadFlatReplica(model_, args, layout_, masters_, optim_);
       // The model's low-precision copy follows the restored masters.
-      for (Param& p : params_) {
-        cai_tensor data{};
-        Check(Host().model->param_data(model_, p.index, &data));
-        int64_t numel = p.numel, stride = 1;
-        cai_tensor master = Flat(p.master.data(), &numel, &stride, {CAI_DTYPE_FLOAT, 32, 1});
-        cai_mem_kernel_args copy{};
-        copy.struct_size = CAI_MEM_KERNEL_ARGS_STRUCT_SIZE;
-        copy.op = CAI_KERNEL_COPY;
-        copy.x = &master;
-        copy.y = &data;
-        Check(Host().mempool->kernel(&copy));
+      if (args.model) {
+        for (size_t k = 0; k < layout_.size(); ++k) {
+          cai_tensor data{};
+          Check(Host().model->param_data(model_, layout_[k].param, &data));
+          cai_tensor master = layout_.View(masters_, sdk::kFloat32, k);
+          sdk::RunKernel(CAI_KERNEL_COPY, &master, data);
+        }
       }
     }
-    if (args.optimizer) {
-      const char* step = nullptr;
-      Check(ckpt.read_meta(args.checkpoint, "none.step", &step));
-      step_ = std::stoll(step);
-      if (scaler_) {
-        const char* text = nullptr;
-        Check(ckpt.read_meta(args.checkpoint, "none.loss_scaler", &text));
-        cai_loss_scaler_state state{};
-        state.struct_size = CAI_LOSS_SCALER_STATE_STRUCT_SIZE;
-        long long clean = 0, left = 0;
-        std::sscanf(text, "%lf %lld %lld", &state.scale, &clean, &left);
-        state.clean_steps = clean;
-        state.overflows_left = left;
-        Check(Host().optimizer->loss_scaler_set_state(scaler_->get(), &state));
-      }
-    }
+    if (args.optimizer) epilogue_->Load(args.checkpoint, kName);
   }
 
   void Stats(cai_strategy_stats& stats) {
-    for (const Param& p : params_) {
-      const uint64_t element = precision_ == CAI_PRECISION_FP32 ? 4 : 2;
-      stats.param_bytes += element * p.numel;
-      stats.grad_bytes += element * p.numel;
-      stats.master_bytes += p.master.size();
-      for (const auto& s : p.state) stats.optimizer_state_bytes += s.size();
-    }
+    const uint64_t element = precision_ == CAI_PRECISION_FP32 ? 4 : 2;
+    stats.param_bytes = element * layout_.numel() + sdk::FrozenParamBytes(model_);
+    stats.grad_bytes = element * layout_.numel();
+    stats.master_bytes = masters_.size();
+    stats.optimizer_state_bytes = optim_.bytes();
   }
 
   static void EstimateMemory(const cai_memory_estimate_args& args, cai_memory_estimate& out) {
@@ -244,87 +197,13 @@ class Reference {
   }
 
  private:
-  struct Param {
-    uint32_t index;
-    uint32_t group;
-    int64_t numel;
-    std::vector<sdk::Buffer> state;
-    sdk::Buffer master;
-  };
-
-  static sdk::Buffer Alloc(int64_t numel, const char* tag) {
-    return sdk::Buffer::Alloc(CAI_MEM_DEVICE, static_cast<size_t>(numel) * sizeof(float), tag,
-                              true);
-  }
-
-  static void Copy(const cai_tensor& from, const sdk::Buffer& to, int64_t numel) {
-    int64_t n = numel, stride = 1;
-    cai_tensor dst = Flat(to.data(), &n, &stride, {CAI_DTYPE_FLOAT, 32, 1});
-    cai_mem_kernel_args args{};
-    args.struct_size = CAI_MEM_KERNEL_ARGS_STRUCT_SIZE;
-    args.op = CAI_KERNEL_COPY;
-    args.x = &from;
-    args.y = &dst;
-    Check(Host().mempool->kernel(&args));
-  }
-
-  static void Kernel(cai_mem_kernel_op op, const cai_tensor& y, double* result) {
-    cai_mem_kernel_args args{};
-    args.struct_size = CAI_MEM_KERNEL_ARGS_STRUCT_SIZE;
-    args.op = op;
-    args.y = &y;
-    args.result = result;
-    Check(Host().mempool->kernel(&args));
-  }
-
-  void Run(const cai_micro_batch& batch, bool backward) {
-    cai_forward_backward_args args{};
-    args.struct_size = CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE;
-    args.tokens = batch.tokens;
-    args.targets = batch.targets;
-    args.backward = backward;
-    args.loss_scale = scaler_ ? scaler_->scale() : 1.0;
-    args.loss_weight = batch.loss_weight;
-    args.loss = batch.loss;
-    Check(Host().model->forward_backward(model_, &args));
-  }
-
-  // The canonical full layout every strategy's parity is checked in: "model/<name>" holds
-  // fp32 weights (the masters under mixed precision), "optim/<name>/<slot>" the state.
-  template <class F>
-  void ForEachTensor(const cai_checkpoint_args& args, F&& fn) {
-    const auto& model = *Host().model;
-    for (Param& p : params_) {
-      cai_param_info info{};
-      info.struct_size = CAI_PARAM_INFO_STRUCT_SIZE;
-      Check(model.param_info(model_, p.index, &info));
-      int64_t numel = p.numel, stride = 1;
-      if (args.model) {
-        if (precision_ == CAI_PRECISION_FP32) {
-          cai_tensor data{};
-          Check(model.param_data(model_, p.index, &data));
-          fn("model/" + std::string(info.name), data);
-        } else {
-          fn("model/" + std::string(info.name),
-             Flat(p.master.data(), &numel, &stride, {CAI_DTYPE_FLOAT, 32, 1}));
-        }
-      }
-      if (args.optimizer) {
-        for (size_t s = 0; s < p.state.size(); ++s) {
-          fn("optim/" + std::string(info.name) + "/" + std::to_string(s),
-             Flat(p.state[s].data(), &numel, &stride, {CAI_DTYPE_FLOAT, 32, 1}));
-        }
-      }
-    }
-  }
-
   cai_model* model_ = nullptr;
-  cai_optimizer* optimizer_ = nullptr;
   cai_precision precision_ = CAI_PRECISION_FP32;
   cai_loss_scaler_config scaler_config_{};
-  std::optional<sdk::LossScaler> scaler_;
-  std::vector<Param> params_;
-  int64_t step_ = 0;
+  sdk::FlatLayout layout_;  // trainable parameters, registration order
+  sdk::Buffer masters_;     // fp32 masters under bf16/fp16, laid out like layout_
+  sdk::FlatOptimizer optim_;
+  std::optional<sdk::StepEpilogue> epilogue_;
 };
 
 }  // namespace

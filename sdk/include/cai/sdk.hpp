@@ -42,6 +42,7 @@
 #include <cstdio>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -304,14 +305,16 @@ inline cai_dtype DtypeNamed(std::string_view name, cai_dtype otherwise) {
 }
 
 // A 1-D view of `*numel` elements of `dtype` starting `offset` elements into `base`. `numel`
-// must outlive every use of the descriptor.
-inline cai_tensor FlatView(const Buffer& base, cai_dtype dtype, size_t offset, int64_t* numel) {
+// must outlive every use of the descriptor (which nobody writes through: cai_tensor's shape is
+// borrowed and read-only by contract).
+inline cai_tensor FlatView(const Buffer& base, cai_dtype dtype, size_t offset,
+                           const int64_t* numel) {
   static int64_t unit_stride = 1;  // never written through
   cai_tensor whole{};
   Check(Host().mempool->view(base.get(), dtype, &whole));
   whole.data = static_cast<char*>(whole.data) + whole.byte_offset + offset * ElementSize(dtype);
   whole.byte_offset = 0;
-  whole.shape = numel;
+  whole.shape = const_cast<int64_t*>(numel);
   whole.strides = &unit_stride;
   return whole;
 }
@@ -439,6 +442,18 @@ inline void RunMicroBatch(cai_model* model, const cai_micro_batch& batch, bool b
   args.loss_weight = backward ? batch.loss_weight : 0;
   args.loss = batch.loss;
   Check(Host().model->forward_backward(model, &args));
+}
+
+// Checkpoint metadata `key`, or nothing when the checkpoint has none (a NOT_FOUND status).
+inline std::optional<std::string> ReadMetaIfPresent(cai_checkpoint* ckpt, const char* key) {
+  const char* value = nullptr;
+  cai_status* status = Host().checkpoint->read_meta(ckpt, key, &value);
+  if (!status) return std::string(value);
+  const cai_status_code code = Host().status_code(status);
+  std::string message = Host().status_message(status);
+  Host().status_destroy(status);
+  if (code != CAI_NOT_FOUND) throw Error(code, message);
+  return std::nullopt;
 }
 
 // ---- Loss scaling keys and checkpoint state -------------------------------------------------

@@ -13,6 +13,7 @@
 #define CAI_SDK_FLAT_HPP_
 
 #include <algorithm>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,28 @@ class FlatLayout {
   std::vector<int32_t> slot_of_;
   size_t numel_ = 0;
 };
+
+// Calls fn(offset, count, group) for each maximal run of consecutive slots of one optimizer
+// group, skipping the slots whose `include` flag is zero (all slots when `include` is empty):
+// the pieces one fused update each can take.
+template <class F>
+void ForEachGroupRun(const FlatLayout& layout, std::span<const uint8_t> include, F&& fn) {
+  auto included = [&](size_t i) { return include.empty() || include[i] != 0; };
+  for (size_t first = 0; first < layout.size();) {
+    if (!included(first)) {
+      ++first;
+      continue;
+    }
+    size_t last = first + 1;
+    while (last < layout.size() && included(last) && layout[last].group == layout[first].group) {
+      ++last;
+    }
+    const size_t offset = layout[first].offset;
+    fn(offset, layout[last - 1].offset + static_cast<size_t>(layout[last - 1].numel) - offset,
+       layout[first].group);
+    first = last;
+  }
+}
 
 // A zero-filled pool buffer of `numel` elements of `dtype` (at least one byte).
 inline Buffer AllocFlat(cai_mem_tier tier, size_t numel, cai_dtype dtype, const char* tag) {
@@ -267,6 +290,65 @@ inline void LoadFlatReplica(cai_model* model, const cai_checkpoint_args& args,
     }
   }
 }
+
+// A whole fp32 replica of the model's trainable parameters in flat buffers the model works on
+// directly: the parameters are views of `weights`, their .grad views of `grads`, plus the
+// optimizer state. What a replicated strategy (plain data parallelism, local SGD) keeps.
+// Memory: (4 + 4 + 4k)Ψ for Ψ trainable elements and k optimizer state slots.
+class FlatReplica {
+ public:
+  FlatReplica() = default;
+  FlatReplica(cai_model* model, cai_optimizer* optimizer) : model_(model) {
+    RequireFp32Params(model, PluginNameSlot());
+    for (uint32_t p : OwnedParams(model, /*trainable=*/true)) layout_.Add(model, p);
+    numel_ = static_cast<int64_t>(layout_.numel());
+    weights_ = AllocFlat(CAI_MEM_DEVICE, layout_.numel(), kFloat32, "replica.param");
+    grads_ = AllocFlat(CAI_MEM_DEVICE, layout_.numel(), kFloat32, "replica.grad");
+    CopyParamsInto(model, layout_, weights_, kFloat32);
+    PointParamsAt(model, layout_, weights_, kFloat32);
+    PointGradsAt(model, layout_, grads_, kFloat32);
+    optim_ = FlatOptimizer(optimizer, layout_.numel(), CAI_MEM_DEVICE, "replica.optim_state");
+  }
+
+  const FlatLayout& layout() const { return layout_; }
+  cai_tensor weights() const { return FlatView(weights_, kFloat32, 0, &numel_); }
+  cai_tensor grads() const { return FlatView(grads_, kFloat32, 0, &numel_); }
+  cai_tensor state(size_t k) const { return optim_.View(k, 0, &numel_); }
+  size_t num_state_slots() const { return optim_.num_slots(); }
+  double GradSumSquares() const {
+    double sq = 0;
+    RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, grads(), 0, &sq);
+    return sq;
+  }
+  // The fused update of every parameter at optimizer step `step`, gradients times grad_scale.
+  void Update(int64_t step, double grad_scale) const {
+    ForEachGroupRun(layout_, {}, [&](size_t at, size_t count, uint32_t group) {
+      optim_.Update({group, at, count, static_cast<float*>(weights_.data()) + at,
+                     static_cast<float*>(grads_.data()) + at},
+                    step, grad_scale);
+    });
+  }
+  void ZeroGrad() const { RunKernel(CAI_KERNEL_FILL, nullptr, grads(), 0); }
+  // The canonical layout; save on one rank, load on every rank.
+  void Save(const cai_checkpoint_args& args) const {
+    SaveFlatReplica(model_, args, layout_, weights_, optim_);
+  }
+  void Load(const cai_checkpoint_args& args) const {
+    LoadFlatReplica(model_, args, layout_, weights_, optim_);
+  }
+  void AddStats(cai_strategy_stats& stats) const {
+    stats.param_bytes += weights_.size() + FrozenParamBytes(model_);
+    stats.grad_bytes += grads_.size();
+    stats.optimizer_state_bytes += optim_.bytes();
+  }
+
+ private:
+  cai_model* model_ = nullptr;
+  FlatLayout layout_;
+  int64_t numel_ = 0;
+  Buffer weights_, grads_;
+  FlatOptimizer optim_;
+};
 
 }  // namespace cai::sdk
 

@@ -117,20 +117,32 @@ class StepEpilogue {
                                         std::to_string(step_).c_str()));
     if (scaler_) SaveLossScalerState(*scaler_, ckpt, (prefix + ".loss_scaler").c_str());
   }
+  // A checkpoint saved without loss scaling (fp32, bf16) resumes an fp16 run at the
+  // configured initial scale.
   void Load(cai_checkpoint* ckpt, const std::string& prefix) {
-    const char* text = nullptr;
-    Check(Host().checkpoint->read_meta(ckpt, (prefix + ".step").c_str(), &text));
-    step_ = std::stoll(text);
-    if (scaler_) LoadLossScalerState(*scaler_, ckpt, (prefix + ".loss_scaler").c_str());
+    const std::string key = prefix + ".step";
+    const std::optional<std::string> step = ReadMetaIfPresent(ckpt, key.c_str());
+    if (!step) {
+      throw Error(CAI_NOT_FOUND, prefix + ": the checkpoint has no meta '" + key +
+                                     "': another strategy wrote its optimizer state; resume it "
+                                     "with that strategy (plugin.name)");
+    }
+    step_ = std::stoll(*step);
+    const std::string scaler_key = prefix + ".loss_scaler";
+    if (scaler_ && ReadMetaIfPresent(ckpt, scaler_key.c_str())) {
+      LoadLossScalerState(*scaler_, ckpt, scaler_key.c_str());
+    }
+  }
+
+  // The factor clipping multiplies a gradient of norm `norm` by (1 within the limit).
+  double ClipCoefficient(double norm) const {
+    if (max_norm_ <= 0) return Host().optimizer->clip_coefficient(optimizer_, norm);
+    return norm <= max_norm_ ? 1 : max_norm_ / (norm + 1e-6);  // the host's formula
   }
 
  private:
   double LearningRate(int64_t step) const {
     return optimizer_ ? Host().optimizer->lr_at(optimizer_, 0, step) : 0;
-  }
-  double ClipCoefficient(double norm) const {
-    if (max_norm_ <= 0) return Host().optimizer->clip_coefficient(optimizer_, norm);
-    return norm <= max_norm_ ? 1 : max_norm_ / (norm + 1e-6);  // the host's formula
   }
 
   cai_optimizer* optimizer_;

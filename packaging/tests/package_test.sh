@@ -5,9 +5,10 @@
 #   2. refuse a plugin package without the host (dpkg's dependency check);
 #   3. install the debs on this machine; from the installed tree list the packaged plugins (and
 #      nothing of the build tree) and train the default job for a few steps;
-#   4. build sdk/examples/hello_strategy out of tree against the installed cai-dev, with
-#      find_package(cai) and with pkg-config, drop it into the user plugin directory, see it
-#      listed and pass the conformance suite; a world-writable user plugin directory is refused;
+#   4. build the example plugin cai-dev installs (/usr/share/doc/cai-dev/examples) out of tree
+#      against the installed cai-dev, with find_package(cai) and with pkg-config, drop it into
+#      the user plugin directory, see it listed and pass the conformance suite; a world-writable
+#      user plugin directory is refused;
 #   5. purge the packages and check that nothing they installed is left;
 #   6. build the rpms (own build, libdir lib64) and check with rpm -qpl / -qpR that they hold the
 #      same files under /usr/lib64 with the same relations, install them into a throwaway root
@@ -37,6 +38,7 @@ libdir=/usr/lib/$multiarch
 plugindir=$libdir/cai/plugins
 home=$work/home
 userdir=$home/.local/share/cai/plugins
+devdoc=/usr/share/doc/cai-dev  # documents and the example plugin's sources (cai-dev)
 packages=()  # every deb package this run may have put on the machine
 # True when dpkg has any trace of the package (installed, half-installed or config files).
 known() {
@@ -126,8 +128,17 @@ for deb in "${debs[@]}"; do
                "$libdir/cmake/cai/caiConfig.cmake" "$libdir/cmake/cai/CaiPlugin.cmake" \
                "$libdir/pkgconfig/cai.pc" /usr/bin/cai-conformance \
                /usr/share/cai/abi/v1.0/cai/abi.h /usr/share/cai/abi/v1.0/SHA256SUMS \
-               /usr/share/cai/abi/v1.1/cai/abi.h /usr/share/cai/abi/v1.1/SHA256SUMS; do
+               /usr/share/cai/abi/v1.1/cai/abi.h /usr/share/cai/abi/v1.1/SHA256SUMS \
+               "$devdoc/DESIGN.md" "$devdoc/docs/README.md" "$devdoc/docs/abi-contract.md" \
+               "$devdoc/docs/manifest.md" "$devdoc/docs/checkpoint-layout.md" \
+               "$devdoc/examples/hello_strategy/CMakeLists.txt" \
+               "$devdoc/examples/hello_strategy/hello_strategy.cpp" \
+               "$devdoc/examples/hello_strategy/hello_strategy.toml"; do
         grep -qxF "$f" "$work/$p.deb-files" || fail "cai-dev lacks $f"
+      done
+      # Every document of the tree, none forgotten when one is added.
+      for d in "$src"/docs/*; do
+        grep -qxF "$devdoc/docs/${d##*/}" "$work/$p.deb-files" || fail "cai-dev lacks docs/${d##*/}"
       done
       ;;
     cai-plugin-*)
@@ -222,7 +233,19 @@ else
 fi
 
 # --- 4. a third-party plugin against the installed cai-dev ------------------------------------
-example=$src/sdk/examples/hello_strategy
+# The example as cai-dev installs it, identical to the tree's. dpkg may be configured to skip
+# /usr/share/doc (path-exclude, as in minimal container images); then the tree's copy is used.
+example=$devdoc/examples/hello_strategy
+if [[ -d $example ]]; then
+  for f in CMakeLists.txt hello_strategy.cpp hello_strategy.toml; do
+    cmp "$src/sdk/examples/hello_strategy/$f" "$example/$f" || fail "installed $example/$f differs"
+  done
+  diff -r "$src/docs" "$devdoc/docs" >/dev/null || fail "installed $devdoc/docs differs from docs/"
+  echo "ok: cai-dev installed docs/, DESIGN.md and the example's sources in $devdoc"
+else
+  echo "NOTE: $example not installed (dpkg path-exclude?); building the tree's copy"
+  example=$src/sdk/examples/hello_strategy
+fi
 env -u CMAKE_PREFIX_PATH cmake -S "$example" -B "$work/sdk-cmake" -G Ninja \
   -DCMAKE_BUILD_TYPE=Release -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF >"$work/sdk.log" 2>&1 ||
   { cat "$work/sdk.log"; fail "configuring $example against the installed cai-dev"; }

@@ -32,7 +32,8 @@ class LowLevelZero {
                                             CAI_CAP_PRECISION_FP16 | CAI_CAP_NO_SYNC |
                                             CAI_CAP_CPU_OFFLOAD;
 
-  // LowLevelZeroPlugin's keys with its defaults (colossalai-plugins.md §3.3).
+  // The keys of ColossalAI's LowLevelZeroPlugin, with its defaults
+  // (colossalai/booster/plugin/low_level_zero_plugin.py).
   static std::span<const cai_config_key> ConfigKeys() {
     using cai::sdk::BoolKey;
     using cai::sdk::FloatKey;

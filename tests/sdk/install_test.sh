@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The SDK as a third party uses it: install cai's development files into a throwaway prefix,
-# build sdk/examples/hello_strategy out of tree with find_package(cai) and with pkg-config,
-# check each .so links and exports only what a plugin may, run the conformance suite on it,
-# and see the installed `cai` list it from a plugin directory.
+# check they include the documents (docs/, DESIGN.md) and the example plugin's sources, build
+# that installed example out of tree with find_package(cai) and with pkg-config, check each
+# .so links and exports only what a plugin may, run the conformance suite on it, and see the
+# installed `cai` list it from a plugin directory.
 # usage: install_test.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
 build=$1
@@ -15,6 +16,19 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 cmake --install "$build" --prefix "$prefix" --component dev >/dev/null
 cmake --install "$build" --prefix "$prefix" --component runtime >/dev/null
 libdir=$(cd "$prefix" && dirname "$(find . -name caiConfig.cmake -path '*cmake/cai/*' | head -1)" | sed 's|^\./||; s|/cmake/cai$||')
+
+# The documents and the example as cai-dev installs them: the same files as the source tree.
+doc=$prefix/share/doc/cai-dev
+example=$doc/examples/hello_strategy
+diff -r "$src/docs" "$doc/docs" || fail "installed docs/ differ from $src/docs"
+cmp "$src/DESIGN.md" "$doc/DESIGN.md" || fail "installed DESIGN.md differs"
+for f in CMakeLists.txt hello_strategy.cpp hello_strategy.toml; do
+  cmp "$src/sdk/examples/hello_strategy/$f" "$example/$f" || fail "installed example's $f differs"
+done
+for f in abi-contract.md manifest.md checkpoint-layout.md README.md; do
+  [[ -s $doc/docs/$f ]] || fail "cai-dev lacks docs/$f"
+done
+echo "ok: docs/, DESIGN.md and examples/hello_strategy installed under share/doc/cai-dev"
 
 check_plugin() {  # .so manifest-dir label
   local so=$1 dir=$2 label=$3
@@ -34,7 +48,7 @@ check_plugin() {  # .so manifest-dir label
 }
 
 # 1. CMake package: find_package(cai) + cai_add_plugin().
-cmake -S "$src/sdk/examples/hello_strategy" -B "$work/cmake" -G Ninja \
+cmake -S "$example" -B "$work/cmake" -G Ninja \
   -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$work/cmake" >/dev/null
 check_plugin "$work/cmake/plugins/libcai_hello_strategy.so" "$work/cmake/plugins" "find_package(cai)"
@@ -44,8 +58,8 @@ export PKG_CONFIG_PATH=$prefix/$libdir/pkgconfig
 mkdir -p "$work/pc"
 # shellcheck disable=SC2046
 g++ -std=c++20 -O2 -Wall -Wextra -Werror $(pkg-config --cflags cai) \
-  "$src/sdk/examples/hello_strategy/hello_strategy.cpp" -o "$work/pc/libcai_hello_strategy.so" \
+  "$example/hello_strategy.cpp" -o "$work/pc/libcai_hello_strategy.so" \
   $(pkg-config --variable=plugin_ldflags cai)
-cp "$src/sdk/examples/hello_strategy/hello_strategy.toml" "$work/pc/"
+cp "$example/hello_strategy.toml" "$work/pc/"
 chmod 0755 "$work/pc"
 check_plugin "$work/pc/libcai_hello_strategy.so" "$work/pc" "pkg-config cai"

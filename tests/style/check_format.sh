@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every C and C++ source of cai is laid out as .clang-format says (STYLE.md). The frozen ABI
+# Every C and C++ source of cai is laid out as .clang-format says. The frozen ABI
 # header sets are exempt: they are never edited, not even to reformat them.
 # usage: check_format.sh SOURCE_DIR
 set -euo pipefail

@@ -2,7 +2,7 @@
  *
  * Pure C11. Includes only <stddef.h>, <stdint.h> and <stdbool.h>; compiles as C and C++.
  *
- * Rules that hold for every header under cai/ (see DESIGN.md, "The ABI"):
+ * Rules that hold for every header under cai/ (see docs/abi-contract.md):
  *  - Every struct that crosses the boundary starts with `size_t struct_size` followed by
  *    `cai_extension_base* extension_start`. The writer sets struct_size to the size it was
  *    compiled with (the CAI_*_STRUCT_SIZE macro of that struct). A reader uses a field only if

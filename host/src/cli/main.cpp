@@ -1,4 +1,4 @@
-// The `cai` command line (DESIGN.md, "The command line contract").
+// The `cai` command line (README.md, "Using cai").
 #include <unistd.h>
 
 #include <cstdio>

@@ -2,7 +2,7 @@
 //
 // The global batch of step s is a function of (tokens, seq_len, global_batch, seed, s) only:
 // the same B windows in the same order whatever the world size, so a run on 1, 2 or 3 ranks
-// sees exactly the data the single-process reference sees (DESIGN.md, "Correctness first").
+// sees exactly the data the single-process reference sees, and parity tests compare them.
 // Rank r of N then takes a contiguous slice of it (ShareOfRank).
 //
 // Windows: the token stream is cut into W = (n - 1) / T non-overlapping windows of T inputs;

@@ -26,7 +26,7 @@ struct ElfInfo {
 // object. Throws cai::Error naming the file when it is not one.
 ElfInfo ReadElfInfo(const std::filesystem::path& path);
 
-// Libraries a plugin must not link: they are host services (DESIGN.md).
+// Libraries a plugin must not link: they are host services (docs/abi-contract.md).
 bool IsForbiddenPluginDependency(const std::string& needed);
 
 }  // namespace cai

@@ -1,6 +1,6 @@
 // Plugin discovery and loading.
 //
-// Search order (DESIGN.md), first occurrence of a name wins, later ones are reported as
+// Search order (docs/manifest.md), first occurrence of a name wins, later ones are reported as
 // shadowed:
 //   1. CAI_PLUGIN_FILES — manifest files or directories, ':'-separated; replaces 2–5.
 //   2. --plugin-path directories, then CAI_PLUGIN_PATH (':'-separated).

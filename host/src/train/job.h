@@ -1,4 +1,4 @@
-// The training job: a TOML file (DESIGN.md, "The command line contract") whose every key has a
+// The training job: a TOML file (README.md, "Using cai") whose every key has a
 // documented default, overridden by `--set key=value`, validated section by section against
 // the same schema machinery plugins use, and printed/saved resolved.
 #pragma once

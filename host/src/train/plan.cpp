@@ -84,7 +84,8 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
   const double p = mixed ? 2 : 4;       // bytes of a parameter / gradient as trained
   const double master = mixed ? 4 : 0;  // fp32 master copy
   const double unit = static_cast<double>(plan.size.largest_unit);
-  // ZeRO paper's formulas (parallel-training-anchors.md §7) with K = master + optimizer state.
+  // The ZeRO paper's per-rank formulas (Rajbhandari et al. 2020, §5 and Figure 1), K = master +
+  // optimizer state.
   struct Formula {
     const char* name;
     const char* plugin;

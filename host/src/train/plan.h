@@ -43,7 +43,7 @@ struct Plan {
 
 // Builds the plan for `job` on `world_size` ranks. Installed plugins (found on the search
 // path) decide what auto may pick; a plugin's own estimate_memory (ABI 1.1) is used when it has
-// one. The choice follows ColossalAI's sizing guide (booster_plugins.md): DDP below 2B
+// one. The choice follows ColossalAI's sizing guide (its docs, booster_plugins.md): DDP below 2B
 // parameters, low-level ZeRO / FSDP up to 10B, Gemini above, hybrid parallel beyond 60B; the
 // first installed strategy in that order whose per-rank memory fits the device budget wins.
 Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::filesystem::path>& paths,

@@ -1,6 +1,6 @@
 // Strategy `none`: one process, no communication — the reference every strategy is checked
-// against (DESIGN.md, "Correctness first"). It is an ordinary strategy table built with the SDK,
-// so the training loop drives it exactly like a plugin.
+// against step by step (tests/plugins/common). It is an ordinary strategy table built with the
+// SDK, so the training loop drives it exactly like a plugin.
 #pragma once
 
 #include "cai/plugin.h"

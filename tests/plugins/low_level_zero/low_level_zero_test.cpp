@@ -150,7 +150,7 @@ TEST(LowLevelZero, Accumulation_Stage1ReducesOncePerStepStage2EveryMicroBatch) {
   }
 }
 
-// ZeRO-1/2 move Ψ reduced + Ψ gathered per step (colossalai-plugins.md §5; ZeRO paper §7):
+// ZeRO-1/2 move Ψ reduced + Ψ gathered per step (ZeRO paper §7, Rajbhandari et al. 2020):
 // each rank hands reduce-scatter its whole padded gradient and all-gather its 1/N chunk, so
 // over N ranks Ψ elements are gathered. Tolerance: with one bucket the padding is below N
 // elements; beyond that only the control all-reduce of 8·(2 + tensors) bytes (global norm,

@@ -88,7 +88,7 @@ def run_ddp(build, args, work, index):
     ranks = summary["ranks"]
     return {"tokens_per_s": summary["tokens_per_s"],
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
-            "all_reduce_bytes_per_step": [r["comm_bytes_per_step"]["all_reduce"] for r in ranks],
+            "all_reduce_bytes_per_step": [r["comm_bytes_per_step_mean"]["all_reduce"] for r in ranks],
             "param_bytes": summary["strategy_bytes_rank0"]["params"],
             "blas": summary["blas"]}
 

@@ -31,8 +31,8 @@ def cai_figures(summary):
     return {"tokens_per_s": summary["tokens_per_s"],
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
             "device_peak": max(r["peak_bytes"]["device"] for r in ranks),
-            "gathered": [r["comm_bytes_per_step"]["all_gather"] for r in ranks],
-            "reduced": [r["comm_bytes_per_step"]["reduce_scatter"] for r in ranks],
+            "gathered": [r["comm_bytes_per_step_mean"]["all_gather"] for r in ranks],
+            "reduced": [r["comm_bytes_per_step_mean"]["reduce_scatter"] for r in ranks],
             "blas": summary["blas"]}
 
 

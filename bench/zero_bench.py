@@ -28,8 +28,8 @@ def run_zero(build, args, work, index):
     ranks = summary["ranks"]
     return {"tokens_per_s": summary["tokens_per_s"],
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
-            "reduced": [r["comm_bytes_per_step"]["reduce_scatter"] for r in ranks],
-            "gathered": [r["comm_bytes_per_step"]["all_gather"] for r in ranks],
+            "reduced": [r["comm_bytes_per_step_mean"]["reduce_scatter"] for r in ranks],
+            "gathered": [r["comm_bytes_per_step_mean"]["all_gather"] for r in ranks],
             "sharded": [r["strategy_bytes"]["optimizer_state"] + r["strategy_bytes"]["master"]
                         for r in ranks]}
 

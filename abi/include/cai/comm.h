@@ -28,6 +28,11 @@ typedef struct cai_comm_work cai_comm_work;
 typedef int32_t cai_reduce_op;
 enum {
   CAI_REDUCE_SUM = 0,
+  /* The sum divided by the group size. Gloo (host memory): SUM, then the division on every
+   * rank (all_reduce, reduce_scatter) or on the root only (reduce); bf16/fp16 are added in
+   * fp32, rounded at each ring step, and divided in fp32. NCCL (CUDA memory): ncclAvg.
+   * Strategies reduce gradients with SUM, never AVG: cai_micro_batch.loss_weight already makes
+   * the sum over ranks the global-batch mean. */
   CAI_REDUCE_AVG = 1,
   CAI_REDUCE_MAX = 2,
   CAI_REDUCE_MIN = 3,
@@ -117,8 +122,8 @@ typedef struct cai_comm_api {
   /* Counters since start or the last reset, for `group` (NULL = summed over all groups). */
   cai_status* (*counters)(const cai_comm_group* group, cai_comm_counters* out);
   void (*reset_counters)(void);
-  /* Static description of the backend, e.g. "gloo: all_reduce=ring, reduce_scatter=..."
-   * Lives as long as the host. */
+  /* Static description of the backend, e.g. "gloo: all_reduce=ring, reduce_scatter=...",
+   * including what AVG computes (see CAI_REDUCE_AVG). Lives as long as the host. */
   const char* (*backend_info)(const cai_comm_group* group);
 } cai_comm_api;
 #define CAI_COMM_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_comm_api, backend_info)

@@ -4,10 +4,16 @@
 //   all_reduce      gloo::allreduce, ring (reduce-scatter + all-gather, 2(n-1)/n of the tensor
 //                   sent per rank); custom reduction functions give every dtype and op,
 //                   bf16/fp16 reduced in fp32 and rounded per step; avg = sum / n.
-//   reduce_scatter  our ring on Gloo's unbound buffers (gloo_ops.cpp): (n-1)/n of the input.
+//   reduce_scatter  our ring on Gloo's unbound buffers (gloo_ops.cpp): (n-1)/n of the input;
+//                   avg = sum / n.
 //   all_gather      gloo::allgather, ring: (n-1)/n of the output.
-//   broadcast       gloo::broadcast from the root.
-//   reduce          gloo::reduce: ring reduce-scatter, then the chunks gathered at the root.
+//   broadcast       gloo::broadcast, a binomial tree from the root (on 2 and 3 ranks the root
+//                   sends every copy).
+//   reduce          gloo::reduce: ring reduce-scatter, then the chunks gathered at the root;
+//                   avg = sum / n on the root. The ring sends all but two of its segments (1
+//                   MiB at most, at least 2 per rank): (n-1)/n of the tensor up to 2n MiB, close
+//                   to all of it beyond (12 MiB on 2 ranks: 10 MiB, not 6), as the wire counters
+//                   show. No strategy reduces to a root today.
 //   all_to_all      gloo::alltoall, pairwise exchange.
 //   send / recv     Gloo unbound buffers on a slot derived from the tag.
 //   barrier         gloo::barrier.
@@ -30,6 +36,11 @@
 // up the receive queued after it (Gloo moves the data only once both sides have posted). A
 // reporter thread publishes, per group, the last collective each rank started; a rank whose
 // collective times out reads it back to name the ranks that never arrived.
+//
+// Byte counters: bytes handed to each operation are counted when it is issued, from its
+// arguments (the ABI's counters); bytes on the wire are measured from the kernel's TCP counters
+// of the group's connections when it completes (WireCounters in communicator.h). NCCL's are
+// not measurable from the host.
 #include "comm/communicator.h"
 
 #include <arpa/inet.h>
@@ -48,6 +59,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 #include <utility>
@@ -55,6 +67,7 @@
 
 #include "comm/gloo_ops.h"
 #include "comm/store.h"
+#include "comm/tcp_bytes_sent.h"
 #include "core/status.h"
 #include "cuda/cuda_module.h"
 
@@ -64,16 +77,29 @@ using cai::comm::OpSpec;
 
 namespace {
 
+// Per operation kind: calls and bytes handed (counted at issue), wire bytes (counted at
+// completion; cai::WireCounters says what they are).
 struct Counters {
   std::array<std::atomic<uint64_t>, CAI_COMM_NUM_OPS> calls{};
   std::array<std::atomic<uint64_t>, CAI_COMM_NUM_OPS> bytes{};
+  std::array<std::atomic<uint64_t>, CAI_COMM_NUM_OPS> wire{};
+  std::array<std::atomic<uint64_t>, CAI_COMM_NUM_OPS> unmeasured{};
   void Add(cai_comm_op op, uint64_t n) {
     calls[op].fetch_add(1, std::memory_order_relaxed);
     bytes[op].fetch_add(n, std::memory_order_relaxed);
   }
+  // `n` bytes measured on the wire, or none (nullopt) where they cannot be measured.
+  void AddWire(cai_comm_op op, std::optional<uint64_t> n) {
+    if (n) {
+      wire[op].fetch_add(*n, std::memory_order_relaxed);
+    } else {
+      unmeasured[op].fetch_add(1, std::memory_order_relaxed);
+    }
+  }
   void Reset() {
-    for (auto& c : calls) c.store(0, std::memory_order_relaxed);
-    for (auto& b : bytes) b.store(0, std::memory_order_relaxed);
+    for (auto* counts : {&calls, &bytes, &wire, &unmeasured}) {
+      for (auto& c : *counts) c.store(0, std::memory_order_relaxed);
+    }
   }
   void CopyTo(cai_comm_counters& out) const {
     for (int i = 0; i < CAI_COMM_NUM_OPS; ++i) {
@@ -81,11 +107,18 @@ struct Counters {
       out.bytes[i] = bytes[i].load(std::memory_order_relaxed);
     }
   }
+  void CopyTo(cai::WireCounters& out) const {
+    for (int i = 0; i < CAI_COMM_NUM_OPS; ++i) {
+      out.bytes[i] = wire[i].load(std::memory_order_relaxed);
+      out.unmeasured_calls[i] = unmeasured[i].load(std::memory_order_relaxed);
+    }
+  }
 };
 
 constexpr const char* kGlooBackendInfo =
     "gloo (libgloo, TCP): all_reduce=gloo::allreduce ring, custom reductions for every "
-    "dtype/op, bf16/fp16 reduced in fp32; reduce_scatter=ring on gloo unbound buffers, "
+    "dtype/op, bf16/fp16 reduced in fp32, avg=sum then divided by n (reduce: on the root); "
+    "reduce_scatter=ring on gloo unbound buffers, "
     "(n-1)/n of the input per rank; all_gather=gloo::allgather ring; "
     "broadcast=gloo::broadcast; reduce=gloo::reduce (ring reduce-scatter + gather to root); "
     "all_to_all=gloo::alltoall; send/recv=gloo unbound buffers; barrier=gloo::barrier";
@@ -129,6 +162,13 @@ struct cai_comm_group {
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<gloo::Context> context;
   Counters counters;
+  // Wire accounting (cai::WireCounters); guarded by wire_mu. `sent` is null where the kernel
+  // cannot tell.
+  std::unique_ptr<cai::comm::TcpBytesSent> sent;
+  std::mutex wire_mu;
+  uint64_t wire_seen = 0;   // sent->Read() at the last attribution
+  uint64_t wire_carry = 0;  // sent outside collectives, owed to the next send/recv to complete
+  bool in_collective = false;
   // NCCL communicators by CUDA device, made on first use; guarded by device_mu.
   std::mutex device_mu;
   std::map<int, std::unique_ptr<cai::cuda::Collectives>> device_collectives;
@@ -614,6 +654,7 @@ class Communicator::Impl {
     }
     g.counters.Add(spec.op, counted);
     totals_.Add(spec.op, counted);
+    AddWire(g, spec.op, std::nullopt);  // NCCL's traffic is invisible to the host
     work->description = where;
     work->Finish(CAI_OK, "");
     return new cai_comm_work{work};
@@ -622,6 +663,12 @@ class Communicator::Impl {
   cai_comm_counters Counters(const cai_comm_group* group) const {
     cai_comm_counters out{};
     out.struct_size = CAI_COMM_COUNTERS_STRUCT_SIZE;
+    (group ? group->counters : totals_).CopyTo(out);
+    return out;
+  }
+
+  WireCounters WireBytes(const cai_comm_group* group) const {
+    WireCounters out;
     (group ? group->counters : totals_).CopyTo(out);
     return out;
   }
@@ -655,10 +702,12 @@ class Communicator::Impl {
       throw Error(CAI_UNAVAILABLE, "connecting the ranks of group '" + g->name + "' failed on " +
                                        g->RankName(g->rank) + ": " + e.what());
     }
+    g->sent = comm::TcpBytesSent::Open(*context);
+    if (g->sent) g->wire_seen = g->sent->Read();  // the rendezvous's own bytes are no op's
     g->context = std::move(context);
     cai_comm_group* raw = g.get();
     raw->worker = std::thread([this, raw] { WorkerLoop(*raw); });
-    raw->p2p_waiter = std::thread([raw] { PointToPointLoop(*raw); });
+    raw->p2p_waiter = std::thread([this, raw] { PointToPointLoop(*raw); });
     std::lock_guard<std::mutex> lock(mu_);
     groups_.insert(g.release());
     return raw;
@@ -707,6 +756,50 @@ class Communicator::Impl {
     return CAI_INTERNAL;
   }
 
+  // Wire attribution (cai::WireCounters): the worker brackets each collective with WireBegin
+  // and WireEnd; bytes sent outside collectives wait in wire_carry for the next send or recv
+  // to complete. Each is counted before its operation is reported complete, so a caller that
+  // has waited for an operation reads counters that include it.
+  static void WireBegin(cai_comm_group& g) {
+    if (!g.sent) return;
+    std::lock_guard<std::mutex> lock(g.wire_mu);
+    const uint64_t now = g.sent->Read();
+    g.wire_carry += now - g.wire_seen;
+    g.wire_seen = now;
+    g.in_collective = true;
+  }
+
+  void WireEnd(cai_comm_group& g, cai_comm_op op) {
+    std::optional<uint64_t> bytes;
+    if (g.sent) {
+      std::lock_guard<std::mutex> lock(g.wire_mu);
+      const uint64_t now = g.sent->Read();
+      bytes = now - g.wire_seen;
+      g.wire_seen = now;
+      g.in_collective = false;
+    }
+    AddWire(g, op, bytes);
+  }
+
+  void WirePointToPoint(cai_comm_group& g, cai_comm_op op) {
+    std::optional<uint64_t> bytes;
+    if (g.sent) {
+      std::lock_guard<std::mutex> lock(g.wire_mu);
+      bytes = std::exchange(g.wire_carry, 0);
+      if (!g.in_collective) {  // else what was sent since WireBegin is the collective's
+        const uint64_t now = g.sent->Read();
+        *bytes += now - g.wire_seen;
+        g.wire_seen = now;
+      }
+    }
+    AddWire(g, op, bytes);
+  }
+
+  void AddWire(cai_comm_group& g, cai_comm_op op, std::optional<uint64_t> bytes) {
+    g.counters.AddWire(op, bytes);
+    totals_.AddWire(op, bytes);
+  }
+
   void WorkerLoop(cai_comm_group& g) {
     for (;;) {
       std::shared_ptr<WorkState> w;
@@ -740,10 +833,13 @@ class Communicator::Impl {
       }
       progress_->Started(g.id, g.rank, w->seq);
       const auto start = std::chrono::steady_clock::now();
+      WireBegin(g);
       try {
         comm::RunCollective(*g.context, spec);
+        WireEnd(g, spec.op);
         w->Finish(CAI_OK, {});
       } catch (const std::exception& e) {
+        WireEnd(g, spec.op);
         const cai_status_code code = Classify(e.what());
         std::string message = e.what();
         if (code == CAI_DEADLINE_EXCEEDED) {
@@ -767,7 +863,7 @@ class Communicator::Impl {
     }
   }
 
-  static void PointToPointLoop(cai_comm_group& g) {
+  void PointToPointLoop(cai_comm_group& g) {
     for (;;) {
       std::shared_ptr<WorkState> w;
       std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
@@ -780,8 +876,10 @@ class Communicator::Impl {
       }
       try {
         comm::WaitPointToPoint(*buffer, w->spec);
+        WirePointToPoint(g, w->spec.op);
         w->Finish(CAI_OK, {});
       } catch (const std::exception& e) {
+        WirePointToPoint(g, w->spec.op);
         const cai_status_code code = Classify(e.what());
         std::string message = e.what();
         if (code == CAI_DEADLINE_EXCEEDED) {
@@ -888,6 +986,10 @@ void Communicator::RunSync(const cai_comm_args& args) {
 
 cai_comm_counters Communicator::Counters(const cai_comm_group* group) const {
   return impl_->Counters(group);
+}
+
+WireCounters Communicator::WireBytes(const cai_comm_group* group) const {
+  return impl_->WireBytes(group);
 }
 
 void Communicator::ResetCounters() { impl_->ResetCounters(); }

@@ -9,6 +9,7 @@
 // went away, FAILED_PRECONDITION for a group broken by an earlier failure.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -30,6 +31,28 @@ struct CommOptions {
   // Local address the collectives bind to. Empty: loopback when master_addr is a loopback
   // address, otherwise the local address the kernel routes to master_addr from.
   std::string bind_addr;
+};
+
+// Bytes this rank's sockets actually sent for each operation, measured by the kernel (TCP_INFO)
+// rather than computed from the arguments: a reduce-scatter done as an all-reduce shows here as
+// twice the bytes. Per operation kind, indexed by cai_comm_op.
+//
+// What counts: the TCP payload sent on the group's connections while the operation ran, Gloo's
+// 48-byte message and notification preambles included; not TCP/IP headers, not TCP's
+// retransmissions (comm/tcp_bytes_sent.h). Collectives run one at a time on their
+// group's worker, which reads the group's connections before and after each: everything sent in
+// between is that collective's, counted when it completes. Point-to-point operations complete on
+// another thread, so they get what the connections sent outside any collective since the previous
+// send or recv completed (their data, and their ready notifications); a send overlapping a
+// collective on the same group is counted in the collective. Totals over all operations are exact
+// either way.
+//
+// NCCL (CUDA tensors) moves its bytes over NVLink, PCIe or the network without the host
+// seeing them: such operations add nothing to `bytes` and one to `unmeasured_calls`; so do
+// operations on a kernel whose TCP_INFO lacks tcpi_bytes_retrans (Linux < 4.19).
+struct WireCounters {
+  std::array<uint64_t, CAI_COMM_NUM_OPS> bytes{};
+  std::array<uint64_t, CAI_COMM_NUM_OPS> unmeasured_calls{};
 };
 
 class Communicator {
@@ -76,6 +99,10 @@ class Communicator {
   // Counters since Init or the last ResetCounters, for `group` or (nullptr) for all groups,
   // destroyed ones included.
   cai_comm_counters Counters(const cai_comm_group* group) const;
+  // Wire bytes (see WireCounters) since Init or the last ResetCounters, for `group` or
+  // (nullptr) for all groups, destroyed ones included. Host-side only: not in the ABI.
+  WireCounters WireBytes(const cai_comm_group* group) const;
+  // Resets both the bytes handed and the wire bytes.
   void ResetCounters();
   // What each collective maps to on this group's backend. Static storage.
   const char* BackendInfo(const cai_comm_group* group) const;

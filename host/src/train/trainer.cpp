@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -241,7 +242,13 @@ class Run {
   void SaveCheckpoint(int64_t step);
   void WriteSummary(double wall_s);
   void Report(int64_t step, double loss, const cai_step_result& result, double step_s);
-  cai_comm_counters Counters();
+  // Bytes handed to each collective (the ABI's counters) and sent on the wire, summed over
+  // groups, since the communicator started.
+  struct CommBytes {
+    cai_comm_counters handed;
+    WireCounters wire;
+  };
+  CommBytes Counters();
 
   const TrainOptions& options_;
   JobConfig job_;
@@ -260,15 +267,18 @@ class Run {
   std::ofstream metrics_;
   bool progress_bar_ = false;
   std::vector<double> step_times_;
-  std::vector<uint64_t> bytes_per_step_ = std::vector<uint64_t>(CAI_COMM_NUM_OPS);
+  // Per op, summed over this run's optimizer steps (comm_steps_); summary.json has the means.
+  std::array<uint64_t, CAI_COMM_NUM_OPS> handed_sum_{}, wire_sum_{}, unmeasured_calls_{};
+  int64_t comm_steps_ = 0;
   double last_loss_ = NAN, last_eval_ = NAN;
   Clock::time_point loop_start_;
 };
 
-cai_comm_counters Run::Counters() {
-  cai_comm_counters c{};
-  c.struct_size = CAI_COMM_COUNTERS_STRUCT_SIZE;
-  ThrowIfError(CommApi()->counters(nullptr, &c));
+Run::CommBytes Run::Counters() {
+  CommBytes c{};
+  c.handed.struct_size = CAI_COMM_COUNTERS_STRUCT_SIZE;
+  ThrowIfError(CommApi()->counters(nullptr, &c.handed));
+  c.wire = Communicator::Get()->WireBytes(nullptr);
   return c;
 }
 
@@ -480,11 +490,26 @@ void Run::Report(int64_t step, double loss, const cai_step_result& result, doubl
   }
 }
 
+// A per-step mean of a byte count for summary.json: an integer when it is one (strategies move
+// the same bytes every step), null when there is no step or `sum` is -1 (not measured).
+void AddMean(JsonObject& object, const char* key, int64_t sum, int64_t steps) {
+  if (sum < 0 || steps <= 0) {
+    object.Add(key, NAN);
+  } else if (sum % steps == 0) {
+    object.Add(key, sum / steps);
+  } else {
+    object.Add(key, static_cast<double>(sum) / static_cast<double>(steps));
+  }
+}
+
 void Run::WriteSummary(double wall_s) {
   // Per-rank figures travel to rank 0 in one all-gather: peak bytes per tier, peak RSS, bytes
-  // handed to each collective per step, and what the strategy holds (sharding strategies hold
+  // handed to each collective and bytes sent on the wire for it, summed over the steps (-1:
+  // not measurable, e.g. NCCL), and what the strategy holds (sharding strategies hold
   // different amounts on different ranks).
-  constexpr size_t kStats = CAI_MEM_NUM_TIERS + 1 + CAI_COMM_NUM_OPS;
+  constexpr size_t kHanded = CAI_MEM_NUM_TIERS + 1;
+  constexpr size_t kWire = kHanded + CAI_COMM_NUM_OPS;
+  constexpr size_t kStats = kWire + CAI_COMM_NUM_OPS;
   constexpr size_t kFields = kStats + 4;
   cai_strategy_stats stats{};
   stats.struct_size = CAI_STRATEGY_STATS_STRUCT_SIZE;
@@ -502,7 +527,8 @@ void Run::WriteSummary(double wall_s) {
   }
   mine[CAI_MEM_NUM_TIERS] = static_cast<int64_t>(PeakRssBytes());
   for (int op = 0; op < CAI_COMM_NUM_OPS; ++op) {
-    mine[CAI_MEM_NUM_TIERS + 1 + op] = static_cast<int64_t>(bytes_per_step_[op]);
+    mine[kHanded + op] = static_cast<int64_t>(handed_sum_[op]);
+    mine[kWire + op] = unmeasured_calls_[op] > 0 ? -1 : static_cast<int64_t>(wire_sum_[op]);
   }
   std::vector<int64_t> all(kFields * env_.world_size);
   if (env_.world_size == 1) {
@@ -527,16 +553,18 @@ void Run::WriteSummary(double wall_s) {
   std::vector<std::string> ranks;
   for (int r = 0; r < env_.world_size; ++r) {
     const int64_t* f = all.data() + r * kFields;
-    JsonObject peak, comm;
+    JsonObject peak, handed, wire;
     for (int tier = 0; tier < CAI_MEM_NUM_TIERS; ++tier) peak.Add(kTierNames[tier], f[tier]);
     for (int op = 0; op < CAI_COMM_NUM_OPS; ++op) {
-      comm.Add(kOpNames[op], f[CAI_MEM_NUM_TIERS + 1 + op]);
+      AddMean(handed, kOpNames[op], f[kHanded + op], comm_steps_);
+      AddMean(wire, kOpNames[op], f[kWire + op], comm_steps_);
     }
     ranks.push_back(JsonObject()
                         .Add("rank", r)
                         .AddRaw("peak_bytes", peak.str())
                         .Add("peak_rss_bytes", f[CAI_MEM_NUM_TIERS])
-                        .AddRaw("comm_bytes_per_step", comm.str())
+                        .AddRaw("comm_bytes_per_step_mean", handed.str())
+                        .AddRaw("wire_bytes_per_step_mean", wire.str())
                         .AddRaw("strategy_bytes", JsonObject()
                                                       .Add("params", f[kStats + 0])
                                                       .Add("grads", f[kStats + 1])
@@ -563,6 +591,7 @@ void Run::WriteSummary(double wall_s) {
                                           .Add("optimizer_state", stats.optimizer_state_bytes)
                                           .Add("master", stats.master_bytes)
                                           .str())
+      .Add("comm_bytes_basis", "mean over " + std::to_string(comm_steps_) + " optimizer steps")
       .AddRaw("ranks", JsonArray(ranks));
   std::ofstream(run_dir_ / "summary.json") << summary.str() << "\n";
 }
@@ -584,7 +613,7 @@ int Run::Execute() {
   loop_start_ = Clock::now();
   for (int64_t step = start_step_ + 1; step <= steps_; ++step) {
     const auto t0 = Clock::now();
-    const cai_comm_counters before = Counters();
+    const CommBytes before = Counters();
     auto chunks =
         RankChunks(train_sampler_->GlobalBatchStarts(step - 1), env_.rank, env_.world_size, accum_);
     double local_loss = 0;
@@ -609,13 +638,16 @@ int Run::Execute() {
     result.struct_size = CAI_STEP_RESULT_STRUCT_SIZE;
     ThrowIfError(strategy_.api->step(instance_, &result));
     ThrowIfError(strategy_.api->zero_grad(instance_));
-    const cai_comm_counters after = Counters();
+    const CommBytes after = Counters();
     const double loss = SumOverRanks(local_loss);
     const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
     if (step > start_step_ + 1 || steps_ - start_step_ == 1) step_times_.push_back(step_s);
     for (int op = 0; op < CAI_COMM_NUM_OPS; ++op) {
-      bytes_per_step_[op] = after.bytes[op] - before.bytes[op];
+      handed_sum_[op] += after.handed.bytes[op] - before.handed.bytes[op];
+      wire_sum_[op] += after.wire.bytes[op] - before.wire.bytes[op];
+      unmeasured_calls_[op] += after.wire.unmeasured_calls[op] - before.wire.unmeasured_calls[op];
     }
+    ++comm_steps_;
     if (!std::isfinite(loss)) {
       throw Error(CAI_ABORTED, "loss is " + std::to_string(loss) + " at step " +
                                    std::to_string(step) + "; lower optimizer.lr or use fp32");

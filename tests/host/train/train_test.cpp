@@ -96,6 +96,9 @@ TEST(Train, Reference_LossFallsAndRunDirIsComplete) {
   CAI_EXPECT_CONTAINS(summary, "\"final_eval_loss\": ");
   CAI_EXPECT_CONTAINS(summary, "\"blas\": ");
   CAI_EXPECT_CONTAINS(summary, "\"peak_bytes\": {\"device\": ");
+  CAI_EXPECT_CONTAINS(summary, "\"comm_bytes_basis\": \"mean over 30 optimizer steps\"");
+  // One rank: nothing handed to a collective, nothing on the wire.
+  CAI_EXPECT_CONTAINS(summary, "\"wire_bytes_per_step_mean\": {\"all_reduce\": 0, ");
   CAI_EXPECT_CONTAINS(ReadFile((dir / "config.resolved.toml").string()), "steps = 30");
   CAI_EXPECT_CONTAINS(r.output, "cai: metrics in " + (dir / "metrics.jsonl").string());
 }

@@ -112,6 +112,18 @@ std::vector<double> PerRank(const TrainRun& run, const std::string& object,
   return values;
 }
 
+void ExpectWireBytes(const TrainRun& run, const std::string& op, double factor) {
+  const std::vector<double> handed = PerRank(run, "comm_bytes_per_step_mean", op);
+  const std::vector<double> wire = PerRank(run, "wire_bytes_per_step_mean", op);
+  ASSERT_FALSE(handed.empty()) << run.summary;
+  ASSERT_EQ(wire.size(), handed.size()) << run.summary;
+  for (size_t r = 0; r < handed.size(); ++r) {
+    const double algorithm = factor * handed[r];
+    EXPECT_GE(wire[r], 0.999 * algorithm) << op << " on rank " << r << ", handed " << handed[r];
+    EXPECT_LE(wire[r], 1.05 * algorithm) << op << " on rank " << r << ", handed " << handed[r];
+  }
+}
+
 std::vector<float> ReadCheckpointTensor(const fs::path& checkpoint, const std::string& name) {
   ckpt::CheckpointReader reader(checkpoint);
   const cai_checkpoint_api& api = *CheckpointApi();

@@ -36,10 +36,18 @@ std::string ReadFile(const std::filesystem::path& path);
 // The number at "key" in a JSON text, searching from `from` (NaN when absent or null).
 double JsonNumber(const std::string& json, const std::string& key, size_t from = 0);
 
-// summary.json's per-rank `object`.`field` (e.g. "comm_bytes_per_step", "reduce_scatter"),
+// summary.json's per-rank `object`.`field` (e.g. "comm_bytes_per_step_mean", "reduce_scatter"),
 // in rank order.
 std::vector<double> PerRank(const TrainRun& run, const std::string& object,
                             const std::string& field);
+
+// Expects every rank's measured wire bytes of collective `op` per step (summary.json's
+// "wire_bytes_per_step_mean") to be what the op's algorithm sends for the bytes handed to it:
+// `factor` x handed (ring all-reduce 2(N-1)/N; reduce-scatter (N-1)/N; all-gather N-1, of its
+// input), less at most Gloo's rounding of ring segments (0.1%), plus Gloo's framing: 48-byte
+// preambles, three per message, at most 2% on the tiny models' tensors, so 5% is allowed. A
+// reduce-scatter done as an all-reduce sends twice (N-1)/N of its input and fails.
+void ExpectWireBytes(const TrainRun& run, const std::string& op, double factor);
 
 // The "model/*" tensor names of rank 0's file of a checkpoint (all of the reference's).
 std::vector<std::string> ModelTensorNames(const std::filesystem::path& checkpoint);

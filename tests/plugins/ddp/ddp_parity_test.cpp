@@ -52,9 +52,9 @@ std::map<std::string, std::vector<float>> ModelTensors(const fs::path& checkpoin
   return tensors;
 }
 
-// Bytes handed to all-reduce in the last step, per rank, from summary.json.
+// Bytes handed to all-reduce per step (the mean over the run), per rank, from summary.json.
 std::vector<double> AllReduceBytesPerStep(const RunResult& r) {
-  return cai::testing::PerRank(r, "comm_bytes_per_step", "all_reduce");
+  return cai::testing::PerRank(r, "comm_bytes_per_step_mean", "all_reduce");
 }
 
 // Trainable fp32 bytes of the reference's checkpoint: 4Ψ.
@@ -219,7 +219,8 @@ TEST(DdpParity, Ddp_ThreeRanks_BucketViewSmallBucketsMatchesReference) {
 }
 
 // Communication volume: each rank hands all-reduce exactly the model's gradient bytes per
-// step, 4Ψ at fp32 (PyTorch DDP's volume), and half of it under bf16.
+// step, 4Ψ at fp32 (PyTorch DDP's volume), and half of it under bf16; the ring puts
+// 2(N-1)/N of them on the wire, measured (N = 2: all of them).
 TEST(DdpParity, Ddp_TwoRanks_AllReduceBytesEqualGradientBytes) {
   const RunResult ref = Reference("bytes", {});
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
@@ -227,10 +228,12 @@ TEST(DdpParity, Ddp_TwoRanks_AllReduceBytesEqualGradientBytes) {
   ASSERT_EQ(fp32.exit_code, 0) << fp32.output;
   ASSERT_EQ(AllReduceBytesPerStep(fp32).size(), 2u) << fp32.summary;
   for (double b : AllReduceBytesPerStep(fp32)) EXPECT_EQ(b, GradientBytes(ref));
+  cai::testing::ExpectWireBytes(fp32, "all_reduce", 1.0);
   const RunResult bf16 = Ddp("bytes_bf16", 2, {"train.precision=bf16"});
   ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
   ASSERT_EQ(AllReduceBytesPerStep(bf16).size(), 2u) << bf16.summary;
   for (double b : AllReduceBytesPerStep(bf16)) EXPECT_EQ(b, GradientBytes(ref) / 2);
+  cai::testing::ExpectWireBytes(bf16, "all_reduce", 1.0);
 }
 
 // Resuming from a step-3 checkpoint (model, optimizer state, step) continues exactly where

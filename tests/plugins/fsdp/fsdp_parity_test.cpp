@@ -177,9 +177,9 @@ void ExpectZero3Bytes(const TrainRun& ref, const TrainRun& run, const Bytes& b,
                       double trainable = -1) {
   const Layout l = LayoutOf(ref, run, b.g);
   if (trainable < 0) trainable = TrainableParams(ref);
-  const std::vector<double> gather = PerRank(run, "comm_bytes_per_step", "all_gather");
-  const std::vector<double> scatter = PerRank(run, "comm_bytes_per_step", "reduce_scatter");
-  const std::vector<double> reduce = PerRank(run, "comm_bytes_per_step", "all_reduce");
+  const std::vector<double> gather = PerRank(run, "comm_bytes_per_step_mean", "all_gather");
+  const std::vector<double> scatter = PerRank(run, "comm_bytes_per_step_mean", "reduce_scatter");
+  const std::vector<double> reduce = PerRank(run, "comm_bytes_per_step_mean", "all_reduce");
   ASSERT_FALSE(gather.empty()) << run.summary;
   for (size_t r = 0; r < gather.size(); ++r) {
     EXPECT_EQ(gather[r], b.e * b.micro_batches *
@@ -191,6 +191,10 @@ void ExpectZero3Bytes(const TrainRun& ref, const TrainRun& run, const Bytes& b,
     EXPECT_GE(scatter[r], b.e_reduce * b.reductions * l.psi);
     EXPECT_LE(scatter[r], b.e_reduce * b.reductions * (l.psi + (b.g - 1) * (1.0 + l.names.size())));
   }
+  // On the wire, measured: rings send (G-1)/G of the reduce-scatter's input and G-1 times the
+  // all-gather's, not an all-reduce's 2(G-1)/G.
+  cai::testing::ExpectWireBytes(run, "reduce_scatter", (b.g - 1.0) / b.g);
+  cai::testing::ExpectWireBytes(run, "all_gather", b.g - 1.0);
 }
 
 // The plugin's "peak parameter bytes in forward N" (the last one: every rank logs it once).
@@ -273,9 +277,9 @@ TEST(FsdpParity, TwoRanks_NoShardMatchesReference) {
   const TrainRun run = Fsdp("no_shard", 2, "NO_SHARD", {});
   ExpectParity(ref, run, 1e-5);
   const Layout l = LayoutOf(ref, run, 1);
-  for (double b : PerRank(run, "comm_bytes_per_step", "all_gather")) EXPECT_EQ(b, 0);
-  for (double b : PerRank(run, "comm_bytes_per_step", "reduce_scatter")) EXPECT_EQ(b, 0);
-  for (double b : PerRank(run, "comm_bytes_per_step", "all_reduce")) {
+  for (double b : PerRank(run, "comm_bytes_per_step_mean", "all_gather")) EXPECT_EQ(b, 0);
+  for (double b : PerRank(run, "comm_bytes_per_step_mean", "reduce_scatter")) EXPECT_EQ(b, 0);
+  for (double b : PerRank(run, "comm_bytes_per_step_mean", "all_reduce")) {
     EXPECT_EQ(b, 4.0 * l.psi + 8.0 * (2 + TrainableParams(ref)));
   }
 }
@@ -288,13 +292,13 @@ TEST(FsdpParity, FourRanks_HybridShardTwoByTwoAndOneNodeOfTwoMatchReference) {
   const TrainRun run = Fsdp("hybrid", 4, "HYBRID_SHARD", {"plugin.fsdp.shard_group_size=2"});
   ExpectParity(ref, run, 1e-5);
   const Layout l = LayoutOf(ref, run, 2);
-  const std::vector<double> gather = PerRank(run, "comm_bytes_per_step", "all_gather");
+  const std::vector<double> gather = PerRank(run, "comm_bytes_per_step_mean", "all_gather");
   ASSERT_EQ(gather.size(), 4u);
   for (double b : gather) EXPECT_EQ(b, 4.0 * (2 * l.units + l.root));
-  for (double b : PerRank(run, "comm_bytes_per_step", "reduce_scatter")) {
+  for (double b : PerRank(run, "comm_bytes_per_step_mean", "reduce_scatter")) {
     EXPECT_EQ(b, 4.0 * 2 * l.shards);
   }
-  for (double b : PerRank(run, "comm_bytes_per_step", "all_reduce")) {
+  for (double b : PerRank(run, "comm_bytes_per_step_mean", "all_reduce")) {
     EXPECT_EQ(b, 4.0 * l.shards + 8.0 * (2 + TrainableParams(ref)));
   }
   EXPECT_NE(run.output.find("2 shards x 2 replicas"), std::string::npos) << run.output;

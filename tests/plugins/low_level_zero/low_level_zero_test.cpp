@@ -142,10 +142,10 @@ TEST(LowLevelZero, Accumulation_Stage1ReducesOncePerStepStage2EveryMicroBatch) {
   ExpectMatches(ref, s1, kFp32Tolerance);
   ExpectMatches(ref, s2, kFp32Tolerance);
   const double padded = 2 * ShardElements(ModelElements(ref.checkpoint), 2);
-  for (double bytes : PerRank(s1, "comm_bytes_per_step", "reduce_scatter")) {
+  for (double bytes : PerRank(s1, "comm_bytes_per_step_mean", "reduce_scatter")) {
     EXPECT_EQ(bytes, 4 * padded);
   }
-  for (double bytes : PerRank(s2, "comm_bytes_per_step", "reduce_scatter")) {
+  for (double bytes : PerRank(s2, "comm_bytes_per_step_mean", "reduce_scatter")) {
     EXPECT_EQ(bytes, 4 * 4 * padded);
   }
 }
@@ -175,15 +175,19 @@ TEST(LowLevelZero, CommunicationPerStep_IsPsiReducedAndPsiGathered) {
     ASSERT_EQ(zero.exit_code, 0) << zero.output;
     const double shard = ShardElements(psi, c.nproc);
     EXPECT_LT(c.nproc * shard - psi, c.nproc);
-    const std::vector<double> reduced = PerRank(zero, "comm_bytes_per_step", "reduce_scatter");
-    const std::vector<double> gathered = PerRank(zero, "comm_bytes_per_step", "all_gather");
-    const std::vector<double> control = PerRank(zero, "comm_bytes_per_step", "all_reduce");
+    const std::vector<double> reduced = PerRank(zero, "comm_bytes_per_step_mean", "reduce_scatter");
+    const std::vector<double> gathered = PerRank(zero, "comm_bytes_per_step_mean", "all_gather");
+    const std::vector<double> control = PerRank(zero, "comm_bytes_per_step_mean", "all_reduce");
     ASSERT_EQ(reduced.size(), static_cast<size_t>(c.nproc)) << zero.summary;
     for (int r = 0; r < c.nproc; ++r) {
       EXPECT_EQ(reduced[r], c.element * c.nproc * shard) << "rank " << r;
       EXPECT_EQ(gathered[r], c.element * shard) << "rank " << r;
       EXPECT_EQ(control[r], 8 * (2 + tensors)) << "rank " << r;
     }
+    // On the wire, measured: the reduce-scatter's ring sends (N-1)/N of its input, not an
+    // all-reduce's 2(N-1)/N; the all-gather's N-1 times its shard.
+    cai::testing::ExpectWireBytes(zero, "reduce_scatter", (c.nproc - 1.0) / c.nproc);
+    cai::testing::ExpectWireBytes(zero, "all_gather", c.nproc - 1.0);
   }
 }
 

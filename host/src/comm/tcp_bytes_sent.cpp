@@ -1,0 +1,75 @@
+#include "comm/tcp_bytes_sent.h"
+
+#include <gloo/transport/tcp/pair.h>
+#include <linux/tcp.h>  // struct tcp_info with tcpi_bytes_sent; glibc's netinet/tcp.h predates it
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cstddef>
+#include <utility>
+
+namespace cai::comm {
+
+namespace {
+
+using gloo::transport::tcp::Pair;
+
+// tcp::Pair keeps its socket (fd_) and the mutex guarding it (m_) protected. A class derived
+// from Pair may name them, and &Derived::member names the base's member with type `T Pair::*`
+// ([expr.unary.op]/3, [class.protected]/1), which then reads them from any Pair. Gloo changes
+// fd_ (closing it after a failure or at teardown) only while holding m_ (pair.cc:
+// "changeState must only be called when holding lock"), so a read under m_ never sees a
+// closed or reused descriptor. The layout is that of the Gloo headers, which must match the
+// libgloo linked (as for every other Gloo type used here).
+class PairSocket : public Pair {
+ public:
+  static constexpr int Pair::*kFd = &PairSocket::fd_;
+  static constexpr std::mutex Pair::*kMutex = &PairSocket::m_;
+};
+
+// The tcp_info prefix that holds tcpi_bytes_sent and tcpi_bytes_retrans (Linux 4.19+);
+// tcpi_notsent_bytes precedes them.
+constexpr socklen_t kNeeded = offsetof(tcp_info, tcpi_bytes_retrans) + sizeof(__u64);
+
+// The connection's bytes sent once and written-but-unsent; false when it cannot be read
+// (closed).
+bool ReadSocket(Pair& pair, uint64_t& out) {
+  std::lock_guard<std::mutex> lock(pair.*PairSocket::kMutex);
+  const int fd = pair.*PairSocket::kFd;
+  if (fd < 0) return false;
+  tcp_info info{};
+  socklen_t len = sizeof(info);
+  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0 || len < kNeeded) return false;
+  out = info.tcpi_bytes_sent - info.tcpi_bytes_retrans + info.tcpi_notsent_bytes;
+  return true;
+}
+
+}  // namespace
+
+std::unique_ptr<TcpBytesSent> TcpBytesSent::Open(gloo::Context& context) {
+  std::vector<Pair*> pairs;
+  for (int peer = 0; peer < context.size; ++peer) {
+    if (peer == context.rank) continue;
+    auto* pair = dynamic_cast<Pair*>(context.getPair(peer).get());
+    uint64_t probe = 0;
+    if (pair == nullptr || !ReadSocket(*pair, probe)) return nullptr;
+    pairs.push_back(pair);
+  }
+  return std::unique_ptr<TcpBytesSent>(new TcpBytesSent(std::move(pairs)));
+}
+
+TcpBytesSent::TcpBytesSent(std::vector<Pair*> pairs)
+    : pairs_(std::move(pairs)), last_(pairs_.size(), 0) {}
+
+uint64_t TcpBytesSent::Read() {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t total = 0;
+  for (size_t i = 0; i < pairs_.size(); ++i) {
+    uint64_t now = 0;
+    if (ReadSocket(*pairs_[i], now) && now > last_[i]) last_[i] = now;
+    total += last_[i];
+  }
+  return total;
+}
+
+}  // namespace cai::comm

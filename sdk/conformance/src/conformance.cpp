@@ -148,6 +148,19 @@ std::vector<CheckResult> Run(const fs::path& path, const cai_host_api* host) {
       })) {
     return results;
   }
+  // Discovery reads the manifest without loading the library, so the manifest must state what
+  // the library will ask for; a host too old for it would otherwise list a plugin it refuses.
+  check("manifest's [abi] min_host_minor is what the library needs", [&] {
+    const std::string manifest_says = "1." + std::to_string(manifest.min_host_minor);
+    const std::string library_needs = "1." + std::to_string(plugin->plugin_min_host_minor);
+    if (manifest.min_host_minor != static_cast<int64_t>(plugin->plugin_min_host_minor)) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "manifest says " + manifest_says + " but the library needs " + library_needs +
+                      " (CAI_TARGET_ABI_MINOR when it was built); set min_host_minor = " +
+                      std::to_string(plugin->plugin_min_host_minor));
+    }
+    return "both 1." + std::to_string(manifest.min_host_minor);
+  });
   check("config schema is complete", [&] {
     for (const ConfigKey& key : plugin->schema) {
       ValidateConfig({key}, nullptr, manifest.name);

@@ -41,13 +41,21 @@ static cai_status* fail(cai_status_code code, const char* message) {
   return host->status_create(code, message, strlen(message));
 }
 
+/* A parameter this strategy trains: it requires a gradient and is no alias of another
+ * (tied_to: the owner holds storage, gradient and state). */
+typedef struct trained_param {
+  uint32_t index;               /* in the model */
+  cai_param_info info;          /* name, group, numel: fixed for the model's lifetime */
+  cai_buffer* state[MAX_SLOTS]; /* optimizer state, fp32, NULL past the group's slots */
+} trained_param;
+
 struct cai_strategy {
   cai_model* model;
   cai_optimizer* optimizer;
   int64_t step; /* optimizer steps taken: Adam's bias correction, saved with the state */
   bool log_steps;
-  uint32_t num_params;
-  cai_buffer** state; /* num_params * MAX_SLOTS, NULL where unused */
+  uint32_t num_trained;
+  trained_param* trained;
 };
 
 static const cai_config_key kKeys[] = {
@@ -65,15 +73,6 @@ static cai_status* collective(cai_comm_op op, cai_reduce_op reduce_op, const cai
   return host->comm->run(&args, NULL);
 }
 
-/* The parameter's info, and whether this strategy trains it: it requires a gradient and is no
- * alias of another parameter (tied_to: the owner holds storage, gradient and state). */
-static cai_status* trained(const cai_strategy* s, uint32_t i, cai_param_info* info, bool* yes) {
-  *info = (cai_param_info){.struct_size = CAI_PARAM_INFO_STRUCT_SIZE};
-  cai_status* status = host->model->param_info(s->model, i, info);
-  *yes = !status && (info->flags & CAI_PARAM_REQUIRES_GRAD) && info->tied_to < 0;
-  return status;
-}
-
 static cai_status* create(const cai_create_args* args, cai_strategy** out) {
   if (!args || !out) return fail(CAI_INVALID_ARGUMENT, FIXTURE_NAME ": NULL argument");
   bool log_steps = false;
@@ -88,11 +87,26 @@ static cai_status* create(const cai_create_args* args, cai_strategy** out) {
 
 static void destroy(cai_strategy* s) {
   if (!s) return;
-  for (uint32_t i = 0; s->state && i < MAX_SLOTS * s->num_params; ++i) {
-    host->mempool->free(s->state[i]);
+  for (uint32_t k = 0; s->trained && k < s->num_trained; ++k) {
+    for (int slot = 0; slot < MAX_SLOTS; ++slot) host->mempool->free(s->trained[k].state[slot]);
   }
-  free(s->state);
+  free(s->trained);
   free(s);
+}
+
+/* Allocates the zeroed optimizer state of `p` (as many slots as its group's optimizer keeps). */
+static cai_status* alloc_state(cai_strategy* s, trained_param* p) {
+  cai_optim_group_info group = {.struct_size = CAI_OPTIM_GROUP_INFO_STRUCT_SIZE};
+  cai_status* status = host->optimizer->group_info(s->optimizer, p->info.group, &group);
+  for (uint32_t slot = 0; !status && slot < group.state_slots && slot < MAX_SLOTS; ++slot) {
+    cai_mem_alloc_args alloc = {.struct_size = CAI_MEM_ALLOC_ARGS_STRUCT_SIZE};
+    alloc.tier = CAI_MEM_DEVICE;
+    alloc.bytes = (size_t)p->info.numel * sizeof(float);
+    alloc.tag = "c_replica.state";
+    alloc.zero_fill = true;
+    status = host->mempool->alloc(&alloc, &p->state[slot]);
+  }
+  return status;
 }
 
 static cai_status* boost(cai_strategy* s, const cai_boost_args* args) {
@@ -101,33 +115,25 @@ static cai_status* boost(cai_strategy* s, const cai_boost_args* args) {
   }
   s->model = args->model;
   s->optimizer = args->optimizer;
-  s->num_params = host->model->num_params(s->model);
-  s->state = calloc(MAX_SLOTS * (size_t)s->num_params + 1, sizeof(cai_buffer*));
-  if (!s->state) return fail(CAI_RESOURCE_EXHAUSTED, FIXTURE_NAME ": out of memory");
+  const uint32_t num_params = host->model->num_params(s->model);
+  s->trained = calloc((size_t)num_params + 1, sizeof(trained_param));
+  if (!s->trained) return fail(CAI_RESOURCE_EXHAUSTED, FIXTURE_NAME ": out of memory");
   /* Every rank starts from rank 0's parameters (frozen ones too) and buffers. */
-  for (uint32_t i = 0; i < s->num_params; ++i) {
-    cai_param_info info;
-    bool train = false;
-    cai_status* status = trained(s, i, &info, &train);
+  for (uint32_t i = 0; i < num_params; ++i) {
+    cai_param_info info = {.struct_size = CAI_PARAM_INFO_STRUCT_SIZE};
+    cai_status* status = host->model->param_info(s->model, i, &info);
     if (status) return status;
     if (info.tied_to >= 0) continue;
     cai_tensor data;
     status = host->model->param_data(s->model, i, &data);
     if (!status) status = collective(CAI_COMM_BROADCAST, CAI_REDUCE_SUM, &data);
     if (status) return status;
-    if (!train) continue;
-    cai_optim_group_info group = {.struct_size = CAI_OPTIM_GROUP_INFO_STRUCT_SIZE};
-    status = host->optimizer->group_info(s->optimizer, info.group, &group);
+    if (!(info.flags & CAI_PARAM_REQUIRES_GRAD)) continue;
+    trained_param* p = &s->trained[s->num_trained++];
+    p->index = i;
+    p->info = info;
+    status = alloc_state(s, p);
     if (status) return status;
-    for (uint32_t k = 0; k < group.state_slots && k < MAX_SLOTS; ++k) {
-      cai_mem_alloc_args alloc = {.struct_size = CAI_MEM_ALLOC_ARGS_STRUCT_SIZE};
-      alloc.tier = CAI_MEM_DEVICE;
-      alloc.bytes = (size_t)info.numel * sizeof(float);
-      alloc.tag = "c_replica.state";
-      alloc.zero_fill = true;
-      status = host->mempool->alloc(&alloc, &s->state[MAX_SLOTS * i + k]);
-      if (status) return status;
-    }
   }
   for (uint32_t b = 0; b < host->model->num_buffers(s->model); ++b) {
     cai_tensor data;
@@ -150,8 +156,8 @@ static cai_status* forward_backward(cai_strategy* s, const cai_micro_batch* batc
 
 /* The parameter's gradient, or *has = false when it has none this step (a parameter the
  * forward did not use: unused on every rank alike, so every rank skips the same collectives). */
-static cai_status* gradient(cai_strategy* s, uint32_t i, cai_tensor* grad, bool* has) {
-  cai_status* status = host->model->param_grad(s->model, i, grad);
+static cai_status* gradient(cai_strategy* s, const trained_param* p, cai_tensor* grad, bool* has) {
+  cai_status* status = host->model->param_grad(s->model, p->index, grad);
   *has = !status;
   if (status && host->status_code(status) == CAI_FAILED_PRECONDITION) {
     host->status_destroy(status);
@@ -163,12 +169,10 @@ static cai_status* gradient(cai_strategy* s, uint32_t i, cai_tensor* grad, bool*
 static cai_status* step(cai_strategy* s, cai_step_result* result) {
   /* Sum every gradient over the ranks, then its squares into the global norm. */
   double sum_squares = 0;
-  for (uint32_t i = 0; i < s->num_params; ++i) {
-    cai_param_info info;
-    bool train = false, has = false;
+  for (uint32_t k = 0; k < s->num_trained; ++k) {
     cai_tensor grad;
-    cai_status* status = trained(s, i, &info, &train);
-    if (!status && train) status = gradient(s, i, &grad, &has);
+    bool has = false;
+    cai_status* status = gradient(s, &s->trained[k], &grad, &has);
     if (status) return status;
     if (!has) continue;
     status = collective(CAI_COMM_ALL_REDUCE, FIXTURE_GRAD_REDUCE_OP, &grad);
@@ -186,29 +190,27 @@ static cai_status* step(cai_strategy* s, cai_step_result* result) {
   const double clip = host->optimizer->clip_coefficient(s->optimizer, norm);
   ++s->step;
   /* The same fused update on every rank, the clip coefficient scaling the gradient. */
-  for (uint32_t i = 0; i < s->num_params; ++i) {
-    cai_param_info info;
-    bool train = false, has = false;
+  for (uint32_t k = 0; k < s->num_trained; ++k) {
+    const trained_param* p = &s->trained[k];
     cai_tensor data, grad;
-    cai_status* status = trained(s, i, &info, &train);
-    if (!status && train) status = gradient(s, i, &grad, &has);
+    bool has = false;
+    cai_status* status = gradient(s, p, &grad, &has);
     if (status) return status;
     if (!has) continue;
-    status = host->model->param_data(s->model, i, &data);
+    status = host->model->param_data(s->model, p->index, &data);
     if (status) return status;
     cai_optim_update_args update = {.struct_size = CAI_OPTIM_UPDATE_ARGS_STRUCT_SIZE};
     update.optimizer = s->optimizer;
-    update.group = info.group;
+    update.group = p->info.group;
     update.param = data.data;
     update.grad = grad.data;
     update.grad_dtype = grad.dtype;
-    for (int k = 0; k < MAX_SLOTS; ++k) {
-      cai_buffer* slot = s->state[MAX_SLOTS * i + k];
-      update.state[k] = slot ? host->mempool->data(slot) : NULL;
+    for (int slot = 0; slot < MAX_SLOTS; ++slot) {
+      update.state[slot] = p->state[slot] ? host->mempool->data(p->state[slot]) : NULL;
     }
-    update.numel = (size_t)info.numel;
+    update.numel = (size_t)p->info.numel;
     update.step = s->step;
-    update.lr = host->optimizer->lr_at(s->optimizer, info.group, s->step);
+    update.lr = host->optimizer->lr_at(s->optimizer, p->info.group, s->step);
     update.grad_scale = clip;
     update.device = data.device;
     status = host->optimizer->update(&update);
@@ -235,33 +237,27 @@ typedef cai_status* (*tensor_fn)(const cai_checkpoint_args* args, const char* na
                                  const cai_tensor* tensor);
 
 static cai_status* for_each_tensor(cai_strategy* s, const cai_checkpoint_args* args, tensor_fn fn) {
-  for (uint32_t i = 0; i < s->num_params; ++i) {
-    cai_param_info info;
-    bool train = false;
-    cai_status* status = trained(s, i, &info, &train);
-    if (status) return status;
-    if (!train) continue;
-    const size_t length = strlen(info.name) + 32;
+  cai_status* status = NULL;
+  for (uint32_t k = 0; !status && k < s->num_trained; ++k) {
+    const trained_param* p = &s->trained[k];
+    const size_t length = strlen(p->info.name) + 32;
     char* name = malloc(length);
     if (!name) return fail(CAI_RESOURCE_EXHAUSTED, FIXTURE_NAME ": out of memory");
     if (args->model) {
       cai_tensor data;
-      status = host->model->param_data(s->model, i, &data);
-      snprintf(name, length, "model/%s", info.name);
+      status = host->model->param_data(s->model, p->index, &data);
+      snprintf(name, length, "model/%s", p->info.name);
       if (!status) status = fn(args, name, &data);
     }
-    for (int k = 0; !status && args->optimizer && k < MAX_SLOTS; ++k) {
-      cai_buffer* slot = s->state[MAX_SLOTS * i + k];
-      if (!slot) continue;
+    for (int slot = 0; !status && args->optimizer && slot < MAX_SLOTS && p->state[slot]; ++slot) {
       cai_tensor view;
-      status = host->mempool->view(slot, (cai_dtype){CAI_DTYPE_FLOAT, 32, 1}, &view);
-      snprintf(name, length, "optim/%s/%d", info.name, k);
+      status = host->mempool->view(p->state[slot], (cai_dtype){CAI_DTYPE_FLOAT, 32, 1}, &view);
+      snprintf(name, length, "optim/%s/%d", p->info.name, slot);
       if (!status) status = fn(args, name, &view);
     }
     free(name);
-    if (status) return status;
   }
-  return NULL;
+  return status;
 }
 
 static cai_status* write_tensor(const cai_checkpoint_args* args, const char* name,
@@ -296,17 +292,12 @@ static cai_status* load(cai_strategy* s, const cai_checkpoint_args* args) {
 }
 
 static cai_status* stats(cai_strategy* s, cai_strategy_stats* out) {
-  for (uint32_t i = 0; i < s->num_params; ++i) {
-    cai_param_info info;
-    bool train = false;
-    cai_status* status = trained(s, i, &info, &train);
-    if (status) return status;
-    if (!train) continue;
-    out->param_bytes += (uint64_t)info.numel * sizeof(float);
-    out->grad_bytes += (uint64_t)info.numel * sizeof(float);
-    for (int k = 0; k < MAX_SLOTS; ++k) {
-      cai_buffer* slot = s->state[MAX_SLOTS * i + k];
-      if (slot) out->optimizer_state_bytes += host->mempool->size(slot);
+  for (uint32_t k = 0; k < s->num_trained; ++k) {
+    const trained_param* p = &s->trained[k];
+    out->param_bytes += (uint64_t)p->info.numel * sizeof(float);
+    out->grad_bytes += (uint64_t)p->info.numel * sizeof(float);
+    for (int slot = 0; slot < MAX_SLOTS && p->state[slot]; ++slot) {
+      out->optimizer_state_bytes += host->mempool->size(p->state[slot]);
     }
   }
   return NULL;

@@ -41,16 +41,14 @@ at_end = true
 TrainRun RunTrain(const fs::path& dir, const std::string& job, int nproc,
                   const std::vector<std::string>& sets, const std::string& manifest, bool resume,
                   const std::string& output_name) {
-  conformance::TrainRequest request;
-  request.cai = CAI_EXE;
-  request.dir = dir;
-  request.job = job;
-  request.nproc = nproc;
-  request.sets = sets;
-  request.plugin_files = manifest;
-  request.resume = resume;
-  request.output_name = output_name;
-  return conformance::RunTrain(request);
+  return conformance::RunTrain({.cai = CAI_EXE,
+                                .dir = dir,
+                                .job = job,
+                                .nproc = nproc,
+                                .sets = sets,
+                                .plugin_files = manifest,
+                                .resume = resume,
+                                .output_name = output_name});
 }
 
 std::vector<double> PerRank(const TrainRun& run, const std::string& object,

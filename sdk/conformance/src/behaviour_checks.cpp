@@ -173,24 +173,20 @@ void RunBehaviourChecks(const Manifest& manifest, const fs::path& cai, bool keep
   const Precision precision = ChoosePrecision(manifest);
   std::string precision_note;
   if (precision.name != "fp32") {
-    precision_note = "; trained in " + precision.name +
-                     ", the first precision the plugin lists "
-                     "(it lists no fp32)";
+    precision_note = "; trained in " + precision.name + ", the plugin's first precision (no fp32)";
   }
   RunsDir dir(keep_runs);
   auto train = [&](const std::string& name, const std::string& job, int nproc,
                    std::vector<std::string> sets, bool resume = false) {
-    TrainRequest request;
-    request.cai = cai;
-    request.dir = dir.path() / name;
-    request.job = job;
-    request.nproc = nproc;
     sets.push_back("train.precision=" + precision.name);
-    request.sets = std::move(sets);
-    request.plugin_files = manifest.path.string();
-    request.resume = resume;
-    request.timeout = std::chrono::seconds(300);
-    return RunTrain(request);
+    return RunTrain({.cai = cai,
+                     .dir = dir.path() / name,
+                     .job = job,
+                     .nproc = nproc,
+                     .sets = std::move(sets),
+                     .plugin_files = manifest.path.string(),
+                     .resume = resume,
+                     .timeout = std::chrono::seconds(300)});
   };
   auto record = [&](const std::string& name, const Comparison& c, const std::string& note) {
     if (c.ok()) {
@@ -231,13 +227,13 @@ void RunBehaviourChecks(const Manifest& manifest, const fs::path& cai, bool keep
   const std::string resume_name =
       "resumes from its own checkpoint on 2 ranks (AdamW, saved at step " +
       std::to_string(kResumeFrom) + " of " + std::to_string(kAdamWSteps) + ")";
-  const fs::path saved = uninterrupted.checkpoint.parent_path() / ckpt::StepDirName(kResumeFrom);
+  const fs::path saved =
+      dir.path() / "adamw-2" / "run" / "checkpoints" / ckpt::StepDirName(kResumeFrom);
   if (uninterrupted.exit_code != 0 || !fs::exists(saved / "COMPLETE")) {
     results.push_back({resume_name, false,
                        uninterrupted.exit_code != 0
                            ? "not run: the uninterrupted run failed (above)"
-                           : "no checkpoint of step " + std::to_string(kResumeFrom) + " in " +
-                                 saved.parent_path().string() + "; " + dir.Where()});
+                           : "no complete checkpoint " + saved.string() + "; " + dir.Where()});
     return;
   }
   const fs::path resume_dir = dir.path() / "adamw-2-resumed";

@@ -225,8 +225,13 @@ std::vector<CheckResult> Run(const fs::path& path, const Options& options) {
     if (std::all_of(results.begin(), results.end(),
                     [](const CheckResult& r) { return r.passed; })) {
       const char* keep = std::getenv("CAI_CONFORMANCE_KEEP");
-      RunBehaviourChecks(manifest, options.cai,
-                         options.keep_runs || (keep && *keep && std::string(keep) != "0"), results);
+      try {
+        RunBehaviourChecks(manifest, options.cai,
+                           options.keep_runs || (keep && *keep && std::string(keep) != "0"),
+                           results);
+      } catch (const std::exception& e) {  // no temporary directory, cai cannot be started, ...
+        results.push_back({"trains like the reference (behaviour checks)", false, e.what()});
+      }
     } else {
       results.push_back({"trains like the reference (behaviour checks)", false,
                          "not run: fix the structural failures above first"});

@@ -273,9 +273,14 @@ for how in cmake pc; do
   listing=$(run_cai plugins list) || fail "$how: plugins list with a user plugin: $listing"
   grep -qE "^hello_strategy +0\.1\.0 +1\.0\+ +ok +$userdir/hello_strategy\.toml$" <<<"$listing" ||
     fail "$how: hello_strategy not listed from $userdir: $listing"
-  /usr/bin/cai-conformance "$userdir/hello_strategy.toml" >"$work/conformance.log" 2>&1 ||
+  # The behaviour checks (~20 s) once: the installed cai-conformance trains with the installed
+  # cai beside it. The other runs check structure only; the behaviour code is the same.
+  behaviour=(--structure-only)
+  [[ $how == cmake ]] && behaviour=()
+  /usr/bin/cai-conformance "${behaviour[@]}" "$userdir/hello_strategy.toml" \
+    >"$work/conformance.log" 2>&1 ||
     { cat "$work/conformance.log"; fail "$how: installed cai-conformance on hello_strategy"; }
-  run_cai plugins check "$userdir/hello_strategy.toml" >"$work/check.log" 2>&1 ||
+  run_cai plugins check --structure-only "$userdir/hello_strategy.toml" >"$work/check.log" 2>&1 ||
     { cat "$work/check.log"; fail "$how: cai plugins check on hello_strategy"; }
   echo "ok: hello_strategy built with $how against the installed cai-dev: listed from" \
        "$userdir, conformance passes"

@@ -25,7 +25,10 @@ commands:
   bench comm [--nproc N]    time every collective, nccl-tests style
   plugins list [--json]     every plugin found, with version, ABI, path and status
   plugins info NAME         a plugin's manifest, capabilities and config keys
-  plugins check PATH        validate a plugin (.toml or .so) with the conformance suite
+  plugins check PATH [--structure-only] [--keep-runs]
+                            validate a plugin (.toml or .so) with the conformance suite:
+                            manifest and library, then it trains like the reference on 1 and
+                            2 ranks and resumes from its own checkpoint
   --version                 host and ABI version
 
 Plugins are searched in CAI_PLUGIN_FILES (replaces the rest), --plugin-path, CAI_PLUGIN_PATH,

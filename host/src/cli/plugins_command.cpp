@@ -1,5 +1,6 @@
 #include "cli/plugins_command.h"
 
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -122,7 +123,9 @@ int Info(const GlobalOptions& options, const std::string& name, std::ostream& ou
 
 int RunPluginsCommand(const GlobalOptions& options, std::span<const std::string> args,
                       std::ostream& out) {
-  const std::string usage = "usage: cai plugins list [--json] | info NAME | check PATH";
+  const std::string usage =
+      "usage: cai plugins list [--json] | info NAME | check PATH [--structure-only] "
+      "[--keep-runs]";
   if (args.empty()) throw Error(CAI_INVALID_ARGUMENT, "missing subcommand; " + usage);
   if (args[0] == "list") {
     if (args.size() > 2 || (args.size() == 2 && args[1] != "--json")) {
@@ -136,9 +139,24 @@ int RunPluginsCommand(const GlobalOptions& options, std::span<const std::string>
     return Info(options, args[1], out);
   }
   if (args[0] == "check") {
-    if (args.size() != 2)
-      throw Error(CAI_INVALID_ARGUMENT, "'plugins check' takes a PATH; " + usage);
-    auto results = conformance::Run(args[1], HostServicesTable());
+    conformance::Options check;
+    check.host = HostServicesTable();
+    std::string path;
+    for (size_t i = 1; i < args.size(); ++i) {
+      if (args[i] == "--structure-only") {
+        check.behaviour = false;
+      } else if (args[i] == "--keep-runs") {
+        check.keep_runs = true;
+      } else if (path.empty() && args[i].rfind("--", 0) != 0) {
+        path = args[i];
+      } else {
+        throw Error(CAI_INVALID_ARGUMENT, "unexpected argument '" + args[i] + "'; " + usage);
+      }
+    }
+    if (path.empty()) throw Error(CAI_INVALID_ARGUMENT, "'plugins check' takes a PATH; " + usage);
+    // The behaviour checks train with this very program.
+    check.cai = std::filesystem::read_symlink("/proc/self/exe");
+    auto results = conformance::Run(path, check);
     return conformance::Report(results, out) ? 0 : 1;
   }
   throw Error(CAI_INVALID_ARGUMENT, "unknown subcommand '" + args[0] + "'; " + usage);

@@ -1,10 +1,13 @@
 #include "cai/conformance.hpp"
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <functional>
 
+#include "behaviour_checks.h"
 #include "core/status.h"
 #include "loader/config.h"
 #include "loader/file_checks.h"
@@ -42,7 +45,7 @@ bool IsLinkerSymbol(const std::string& s) {
 
 }  // namespace
 
-std::vector<CheckResult> Run(const fs::path& path, const cai_host_api* host) {
+std::vector<CheckResult> Run(const fs::path& path, const Options& options) {
   std::vector<CheckResult> results;
   // Runs one check; returns false (and records why) if it threw.
   auto check = [&](const std::string& name, const std::function<std::string()>& fn) {
@@ -56,7 +59,7 @@ std::vector<CheckResult> Run(const fs::path& path, const cai_host_api* host) {
     results.push_back(r);
     return r.passed;
   };
-  if (!host) host = MakeHostApi({});
+  const cai_host_api* host = options.host ? options.host : MakeHostApi({});
 
   Manifest manifest;
   if (!check("manifest parses and is valid", [&] {
@@ -148,6 +151,19 @@ std::vector<CheckResult> Run(const fs::path& path, const cai_host_api* host) {
       })) {
     return results;
   }
+  // Discovery reads the manifest without loading the library, so the manifest must state what
+  // the library will ask for; a host too old for it would otherwise list a plugin it refuses.
+  check("manifest's [abi] min_host_minor is what the library needs", [&] {
+    const std::string manifest_says = "1." + std::to_string(manifest.min_host_minor);
+    const std::string library_needs = "1." + std::to_string(plugin->plugin_min_host_minor);
+    if (manifest.min_host_minor != static_cast<int64_t>(plugin->plugin_min_host_minor)) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "manifest says " + manifest_says + " but the library needs " + library_needs +
+                      " (CAI_TARGET_ABI_MINOR when it was built); set min_host_minor = " +
+                      std::to_string(plugin->plugin_min_host_minor));
+    }
+    return "both 1." + std::to_string(manifest.min_host_minor);
+  });
   check("config schema is complete", [&] {
     for (const ConfigKey& key : plugin->schema) {
       ValidateConfig({key}, nullptr, manifest.name);
@@ -205,7 +221,42 @@ std::vector<CheckResult> Run(const fs::path& path, const cai_host_api* host) {
       return std::string("ok");
     });
   }
+  if (options.behaviour) {
+    if (std::all_of(results.begin(), results.end(),
+                    [](const CheckResult& r) { return r.passed; })) {
+      const char* keep = std::getenv("CAI_CONFORMANCE_KEEP");
+      try {
+        RunBehaviourChecks(manifest, options.cai,
+                           options.keep_runs || (keep && *keep && std::string(keep) != "0"),
+                           results);
+      } catch (const std::exception& e) {  // no temporary directory, cai cannot be started, ...
+        results.push_back({"trains like the reference (behaviour checks)", false, e.what()});
+      }
+    } else {
+      results.push_back({"trains like the reference (behaviour checks)", false,
+                         "not run: fix the structural failures above first"});
+    }
+  }
   return results;
+}
+
+fs::path FindCai() {
+  std::error_code ec;
+  auto runnable = [&ec](const fs::path& p) {
+    return fs::is_regular_file(p, ec) && access(p.c_str(), X_OK) == 0;
+  };
+  const fs::path beside = fs::read_symlink("/proc/self/exe", ec).parent_path() / "cai";
+  if (!ec && runnable(beside)) return beside;
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "";
+  for (size_t start = 0; start <= dirs.size();) {
+    size_t end = dirs.find(':', start);
+    if (end == std::string::npos) end = dirs.size();
+    const fs::path candidate = fs::path(dirs.substr(start, end - start)) / "cai";
+    if (end > start && runnable(candidate)) return candidate;
+    start = end + 1;
+  }
+  return {};
 }
 
 bool Report(const std::vector<CheckResult>& results, std::ostream& out) {

@@ -140,17 +140,27 @@ class HelloStrategy {
 
   void ZeroGrad() { Check(Host().model->zero_grad(model_, false)); }
 
-  // Replicated state: rank 0 writes it, every rank reads it.
+  // Replicated state: rank 0 writes it, every rank reads it. The step count goes with the
+  // optimizer state: Adam's bias correction depends on it.
   void Save(const cai_checkpoint_args& args) {
     if (Host().comm->rank(nullptr) != 0) return;
     ForEachState(args, [&](const char* name, const cai_tensor& t) {
       Check(Host().checkpoint->write_tensor(args.checkpoint, name, &t));
     });
+    if (args.optimizer) {
+      Check(Host().checkpoint->write_meta(args.checkpoint, "hello_strategy.step",
+                                          std::to_string(step_).c_str()));
+    }
   }
   void Load(const cai_checkpoint_args& args) {
     ForEachState(args, [&](const char* name, const cai_tensor& t) {
       Check(Host().checkpoint->read_tensor(args.checkpoint, name, 0, 0, &t));
     });
+    if (args.optimizer) {
+      const char* step = nullptr;
+      Check(Host().checkpoint->read_meta(args.checkpoint, "hello_strategy.step", &step));
+      step_ = std::stoll(step);
+    }
   }
 
   void Stats(cai_strategy_stats& stats) {

@@ -290,7 +290,8 @@ TEST(PluginLoading, PluginFilesVariable_ReplacesTheSearchPath) {
 TEST(PluginLoading, PluginFromFrozenV1_0Headers_LoadsAndPassesConformance) {
   PluginDir dir;
   auto manifest = dir.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
-  Result check = Cai("plugins check " + manifest.string());
+  // Its behaviour (training on 1 and 2 ranks) is checked by Sdk_Conformance_CReplicaFromAbi1_0.
+  Result check = Cai("plugins check --structure-only " + manifest.string());
   EXPECT_EQ(check.code, 0) << check.output;
   ExpectContains(check.output, "built for ABI 1.0, needs host 1.0+");
   Result info = Cai("plugins info c_replica", "CAI_PLUGIN_FILES=" + dir.str());

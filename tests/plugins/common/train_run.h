@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "train_runner.h"
+
 namespace cai::testing {
 
 // A tiny GPT-2 job (tied lm_head and wte): two parameter groups with different LR and weight
@@ -14,15 +16,12 @@ namespace cai::testing {
 // batch of 6, a checkpoint at the end.
 extern const char* const kTinyGptJob;
 
-struct TrainRun {
-  int exit_code = -1;
-  std::string output;          // stdout + stderr of `cai train`
-  std::vector<double> losses;  // metrics.jsonl, one per step
-  std::vector<double> grad_norms;
-  std::vector<bool> skipped;         // fp16 steps skipped for inf/nan gradients
-  std::filesystem::path checkpoint;  // the latest checkpoint directory, if any
-  std::string summary;               // summary.json
-};
+// metrics.jsonl, summary.json and the latest checkpoint of a run (sdk/conformance's runner,
+// which the conformance suite's behaviour checks use too).
+using TrainRun = conformance::TrainRun;
+using conformance::JsonNumber;
+using conformance::ModelTensorNames;
+using conformance::ReadFile;
 
 // Writes `job` to `dir`/job.toml (unless `resume`, which keeps `dir` and its run) and runs
 // `cai train` on it with `nproc` ranks, run directory `dir`/run, the `sets` as --set, and only
@@ -30,11 +29,6 @@ struct TrainRun {
 TrainRun RunTrain(const std::filesystem::path& dir, const std::string& job, int nproc,
                   const std::vector<std::string>& sets, const std::string& manifest,
                   bool resume = false, const std::string& output_name = "output.txt");
-
-std::string ReadFile(const std::filesystem::path& path);
-
-// The number at "key" in a JSON text, searching from `from` (NaN when absent or null).
-double JsonNumber(const std::string& json, const std::string& key, size_t from = 0);
 
 // summary.json's per-rank `object`.`field` (e.g. "comm_bytes_per_step_mean", "reduce_scatter"),
 // in rank order.
@@ -49,8 +43,7 @@ std::vector<double> PerRank(const TrainRun& run, const std::string& object,
 // reduce-scatter done as an all-reduce sends twice (N-1)/N of its input and fails.
 void ExpectWireBytes(const TrainRun& run, const std::string& op, double factor);
 
-// The "model/*" tensor names of rank 0's file of a checkpoint (all of the reference's).
-std::vector<std::string> ModelTensorNames(const std::filesystem::path& checkpoint);
+// A tensor of a checkpoint as fp32; a test failure (and nothing) when there is none.
 std::vector<float> ReadCheckpointTensor(const std::filesystem::path& checkpoint,
                                         const std::string& name);
 // Elements of the "model/*" tensors of rank 0's file: Ψ for the reference (tied counted once).
@@ -58,7 +51,7 @@ double ModelElements(const std::filesystem::path& checkpoint);
 
 // Asserts that both runs succeeded and that `run` agrees with `ref` within `rtol`: every step's
 // loss relative to the reference's, every "model/*" tensor by relative L2 error
-// ||w - w_ref|| / ||w_ref|| (see tests/plugins/ddp/ddp_parity_test.cpp for why not element-wise).
+// ||w - w_ref|| / ||w_ref|| (conformance::Compare; train_runner.h says why not element-wise).
 void ExpectMatches(const TrainRun& ref, const TrainRun& run, double rtol);
 
 }  // namespace cai::testing

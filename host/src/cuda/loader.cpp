@@ -3,17 +3,15 @@
 #include <filesystem>
 #include <mutex>
 
+#include "core/env.h"
 #include "core/status.h"
 #include "cuda/cuda_module.h"
 
 namespace cai::cuda {
 namespace {
 
-// $CAI_CUDA_MODULE, when set and not empty.
-const char* ModuleOverride() {
-  const char* path = std::getenv("CAI_CUDA_MODULE");
-  return path && *path ? path : nullptr;
-}
+// $CAI_CUDA_MODULE, when set and not empty (and never in a setuid process).
+const char* ModuleOverride() { return SecureGetenv("CAI_CUDA_MODULE"); }
 
 std::filesystem::path ModulePath() {
   if (const char* path = ModuleOverride()) return path;

@@ -1,16 +1,14 @@
 #include "loader/registry.h"
 
 #define BOOST_DLL_USE_STD_FS
-#include <sys/auxv.h>
-
 #include <algorithm>
 #include <boost/dll/shared_library.hpp>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
 
+#include "core/env.h"
 #include "core/status.h"
 #include "loader/file_checks.h"
 
@@ -18,10 +16,6 @@ namespace cai {
 namespace {
 
 namespace fs = std::filesystem;
-
-bool Secure() { return getauxval(AT_SECURE) != 0; }
-
-const char* Env(const char* name) { return Secure() ? nullptr : std::getenv(name); }
 
 std::vector<fs::path> SplitPath(const char* value) {
   std::vector<fs::path> out;
@@ -115,7 +109,7 @@ void CheckTable(const Manifest& m, const cai_plugin_api* api) {
 
 std::vector<SearchLocation> PluginSearchPath(const std::vector<fs::path>& extra) {
   std::vector<SearchLocation> out;
-  if (const char* files = Env("CAI_PLUGIN_FILES"); files && *files) {
+  if (const char* files = SecureGetenv("CAI_PLUGIN_FILES")) {
     for (const fs::path& p : SplitPath(files)) {
       std::error_code ec;
       out.push_back({p, "CAI_PLUGIN_FILES", !fs::is_directory(p, ec)});
@@ -123,13 +117,13 @@ std::vector<SearchLocation> PluginSearchPath(const std::vector<fs::path>& extra)
     return out;
   }
   for (const fs::path& p : extra) out.push_back({p, "--plugin-path"});
-  for (const fs::path& p : SplitPath(Env("CAI_PLUGIN_PATH"))) out.push_back({p, "CAI_PLUGIN_PATH"});
-  if (!Secure()) {
-    if (const char* xdg = std::getenv("XDG_DATA_HOME"); xdg && *xdg) {
-      out.push_back({fs::path(xdg) / "cai/plugins", "user"});
-    } else if (const char* home = std::getenv("HOME"); home && *home) {
-      out.push_back({fs::path(home) / ".local/share/cai/plugins", "user"});
-    }
+  for (const fs::path& p : SplitPath(SecureGetenv("CAI_PLUGIN_PATH")))
+    out.push_back({p, "CAI_PLUGIN_PATH"});
+  // Both unset in a setuid process: no user directory then.
+  if (const char* xdg = SecureGetenv("XDG_DATA_HOME")) {
+    out.push_back({fs::path(xdg) / "cai/plugins", "user"});
+  } else if (const char* home = SecureGetenv("HOME")) {
+    out.push_back({fs::path(home) / ".local/share/cai/plugins", "user"});
   }
   out.push_back({"/usr/local/lib/cai/plugins", "local"});
   if (fs::path prefix = ExecutablePrefix(); !prefix.empty()) {

@@ -1,8 +1,8 @@
 #include "loader/registry.h"
 
-#define BOOST_DLL_USE_STD_FS
+#include <dlfcn.h>
+
 #include <algorithm>
-#include <boost/dll/shared_library.hpp>
 #include <map>
 #include <mutex>
 #include <set>
@@ -50,6 +50,26 @@ std::string Join(const std::vector<std::string>& items) {
   std::string out;
   for (const auto& s : items) out += (out.empty() ? "" : ", ") + s;
   return out;
+}
+
+// The plugin's library, opened once and checked through that descriptor: present, trusted, and
+// the manifest's sha256 when it gives one.
+CheckedFile OpenLibrary(const Manifest& m) {
+  std::error_code ec;
+  if (!fs::is_regular_file(m.library, ec)) {
+    throw Error(CAI_NOT_FOUND, m.library.string() + ": plugin library not found (named by " +
+                                   m.path.string() + " library.path)");
+  }
+  CheckedFile file = CheckedFile::Open(m.library);
+  if (m.sha256) {
+    std::string actual = file.Sha256();
+    if (actual != *m.sha256) {
+      throw Error(CAI_DATA_LOSS, m.library.string() + ": sha256 mismatch: manifest " +
+                                     m.path.string() + " says " + *m.sha256 + ", file has " +
+                                     actual + "; reinstall the plugin or fix library.sha256");
+    }
+  }
+  return file;
 }
 
 // Required entries of an ABI 1.0 table; absent optional ones are allowed.
@@ -143,20 +163,7 @@ PluginRecord InspectManifest(const fs::path& manifest_path, std::string found_in
     record.manifest = ParseManifest(record.manifest_path);
     CheckTrusted(record.manifest_path.parent_path());
     CheckTrusted(record.manifest_path);
-    const Manifest& m = record.manifest;
-    if (!fs::is_regular_file(m.library, ec)) {
-      throw Error(CAI_NOT_FOUND, m.library.string() + ": plugin library not found (named by " +
-                                     m.path.string() + " library.path)");
-    }
-    CheckTrusted(m.library);
-    if (m.sha256) {
-      std::string actual = Sha256File(m.library);
-      if (actual != *m.sha256) {
-        throw Error(CAI_DATA_LOSS, m.library.string() + ": sha256 mismatch: manifest " +
-                                       m.path.string() + " says " + *m.sha256 + ", file has " +
-                                       actual + "; reinstall the plugin or fix library.sha256");
-      }
-    }
+    OpenLibrary(record.manifest);  // checked now for the listing, and again when loaded
   } catch (const Error& e) {
     record.error = e.what();
   }
@@ -204,6 +211,16 @@ std::vector<PluginRecord> DiscoverPlugins(const std::vector<SearchLocation>& loc
   return records;
 }
 
+void* LoadPluginLibrary(const Manifest& manifest) {
+  static std::mutex mutex;
+  static auto* handles = new std::map<fs::path, void*>();  // never freed, like the libraries
+  std::lock_guard lock(mutex);
+  if (auto it = handles->find(manifest.library); it != handles->end()) return it->second;
+  void* handle = OpenLibrary(manifest).Load();
+  handles->emplace(manifest.library, handle);
+  return handle;
+}
+
 const LoadedPlugin& LoadPlugin(const Manifest& manifest, const cai_host_api* host) {
   static std::mutex mutex;
   // Never freed: plugins are never unloaded (their code may still run from threads or
@@ -213,19 +230,13 @@ const LoadedPlugin& LoadPlugin(const Manifest& manifest, const cai_host_api* hos
   if (auto it = loaded->find(manifest.library); it != loaded->end()) return *it->second;
 
   const std::string lib = manifest.library.string();
-  boost::dll::shared_library* library = nullptr;
-  try {
-    library = new boost::dll::shared_library(
-        manifest.library, boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local);
-  } catch (const std::exception& e) {
-    throw Error(CAI_FAILED_PRECONDITION, lib + ": cannot be loaded: " + e.what());
-  }
-  if (!library->has(manifest.entry)) {
+  void* library = LoadPluginLibrary(manifest);
+  auto* init = reinterpret_cast<cai_plugin_init_fn>(::dlsym(library, manifest.entry.c_str()));
+  if (init == nullptr) {
     throw Error(CAI_FAILED_PRECONDITION, lib + ": does not export the entry symbol '" +
                                              manifest.entry +
                                              "'; build it with the cai SDK's CAI_PLUGIN() macro");
   }
-  auto init = library->get<cai_status*(cai_plugin_init_args*)>(manifest.entry);
 
   cai_plugin_init_args args{};
   args.struct_size = CAI_PLUGIN_INIT_ARGS_STRUCT_SIZE;

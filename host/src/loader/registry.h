@@ -63,10 +63,15 @@ PluginRecord InspectManifest(const std::filesystem::path& manifest_path, std::st
 // their reason.
 std::vector<PluginRecord> DiscoverPlugins(const std::vector<SearchLocation>& locations);
 
-// Loads a checked plugin: dlopen (RTLD_NOW | RTLD_LOCAL, never unloaded), calls its entry
-// once with `host`, and checks the negotiation and the returned table. Throws cai::Error whose
-// message names the library and the reason. Loading the same library twice returns the first
-// result.
+// The plugin's library, loaded from the very file that is checked: opened once, checked
+// through that descriptor (trust, sha256) and loaded from it (RTLD_NOW | RTLD_LOCAL, never
+// unloaded), so replacing the file after InspectManifest() cannot slip other code in. The same
+// handle for the same library. Throws cai::Error naming the library and the reason.
+void* LoadPluginLibrary(const Manifest& manifest);
+
+// Loads a plugin (LoadPluginLibrary), calls its entry once with `host`, and checks the
+// negotiation and the returned table. Throws cai::Error whose message names the library and
+// the reason. Loading the same library twice returns the first result.
 const LoadedPlugin& LoadPlugin(const Manifest& manifest, const cai_host_api* host);
 
 }  // namespace cai

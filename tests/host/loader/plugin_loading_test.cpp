@@ -11,12 +11,16 @@
 
 #include "cai/core.h"
 #include "loader/file_checks.h"
+#include "plugin_dir.h"
 #include "util/subprocess.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
+using cai::testing::Lib;
+using cai::testing::ManifestText;
+using cai::testing::PluginDir;
 using cai::testing::Result;
 
 // Runs `cai ARGS` with only the given plugin search variables set.
@@ -24,50 +28,6 @@ Result Cai(const std::string& args, const std::string& env = "") {
   return cai::testing::RunCommand("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent " +
                                   env + " " + CAI_EXE + " " + args);
 }
-
-std::string ManifestText(const std::string& name, const std::string& library,
-                         const std::string& extra_plugin = "",
-                         const std::string& abi = "major = 1\nmin_host_minor = 0",
-                         const std::string& extra_library = "") {
-  return "manifest_version = 1\n[plugin]\nname = \"" + name +
-         "\"\nkind = \"strategy\"\nversion = \"1.0.0\"\nlicense = \"Apache-2.0\"\n"
-         "description = \"test\"\n" +
-         extra_plugin + "[library]\npath = \"" + library + "\"\nentry = \"cai_plugin_init_v1\"\n" +
-         extra_library + "[abi]\n" + abi + "\n[capabilities]\nprecisions = [\"fp32\"]\n";
-}
-
-class PluginDir {
- public:
-  PluginDir() {
-    char pattern[] = "/tmp/cai-plugins-XXXXXX";
-    path_ = mkdtemp(pattern);  // mode 0700: trusted
-  }
-  ~PluginDir() {
-    std::error_code ec;
-    fs::permissions(path_, fs::perms::owner_all, ec);
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  std::string str() const { return path_.string(); }
-
-  // Copies `so` in and writes `name`.toml with the given text.
-  fs::path Add(const std::string& so, const std::string& name, const std::string& manifest) {
-    if (!so.empty()) {
-      fs::copy_file(so, path_ / fs::path(so).filename(), fs::copy_options::overwrite_existing);
-      chmod((path_ / fs::path(so).filename()).c_str(), 0755);
-    }
-    fs::path toml = path_ / (name + ".toml");
-    std::ofstream(toml) << manifest;
-    chmod(toml.c_str(), 0644);
-    return toml;
-  }
-  void AddHello() { Add(HELLO_SO, "hello_strategy", cai::testing::ReadFile(HELLO_TOML)); }
-
- private:
-  fs::path path_;
-};
-
-std::string Lib(const char* so) { return fs::path(so).filename().string(); }
 
 void ExpectContains(const std::string& haystack, const std::string& needle) {
   CAI_EXPECT_CONTAINS(haystack, needle);

@@ -268,6 +268,16 @@ const LoadedPlugin& LoadPlugin(const Manifest& manifest, const cai_host_api* hos
                     ". Upgrade cai, or rebuild the plugin with CAI_TARGET_ABI_MINOR=" +
                     std::to_string(CAI_ABI_MINOR));
   }
+  // The manifest is what hosts and packages judge the plugin by before loading anything, so
+  // it must say what the library itself reports needing.
+  if (args.plugin_min_host_minor != manifest.min_host_minor) {
+    const std::string needed = std::to_string(args.plugin_min_host_minor);
+    throw Error(CAI_FAILED_PRECONDITION,
+                manifest.path.string() +
+                    ": [abi] min_host_minor = " + std::to_string(manifest.min_host_minor) +
+                    " but " + lib + " was built to need host ABI " + std::to_string(CAI_ABI_MAJOR) +
+                    "." + needed + " (CAI_TARGET_ABI_MINOR); set min_host_minor = " + needed);
+  }
   CheckTable(manifest, args.plugin);
   auto* plugin = new LoadedPlugin();
   plugin->manifest = manifest;

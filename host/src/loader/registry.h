@@ -70,7 +70,8 @@ std::vector<PluginRecord> DiscoverPlugins(const std::vector<SearchLocation>& loc
 void* LoadPluginLibrary(const Manifest& manifest);
 
 // Loads a plugin (LoadPluginLibrary), calls its entry once with `host`, and checks the
-// negotiation and the returned table. Throws cai::Error whose message names the library and
+// negotiation (the host minor the library needs must be this host's or older, and equal to
+// the manifest's [abi] min_host_minor) and the returned table. Throws cai::Error whose message names the library and
 // the reason. Loading the same library twice returns the first result.
 const LoadedPlugin& LoadPlugin(const Manifest& manifest, const cai_host_api* host);
 

@@ -173,6 +173,38 @@ TEST(PluginLoading, PluginNeedingNewerHostMinor_IsRefused) {
                  "needs host ABI 1.99 or newer; this host is 1." + std::to_string(CAI_ABI_MINOR));
 }
 
+TEST(PluginLoading, ManifestMinorOtherThanTheLibraryNeeds_IsRefusedWithTheValueToSet) {
+  // c_replica is built from the 1.0 headers and needs host 1.0; its manifest claims 1.1.
+  PluginDir dir;
+  auto manifest =
+      dir.Add(C_REPLICA_SO, "c_replica",
+              ManifestText("c_replica", Lib(C_REPLICA_SO), "", "major = 1\nmin_host_minor = 1"));
+  const std::string expected = manifest.string() + ": [abi] min_host_minor = 1 but " +
+                               (dir.path() / Lib(C_REPLICA_SO)).string() +
+                               " was built to need host ABI 1.0 (CAI_TARGET_ABI_MINOR); set "
+                               "min_host_minor = 0";
+  Result info = Cai("plugins info c_replica", "CAI_PLUGIN_FILES=" + dir.str());
+  EXPECT_NE(info.code, 0);
+  ExpectContains(info.output, expected);
+  Result check = Cai("plugins check " + manifest.string());
+  EXPECT_NE(check.code, 0);
+  ExpectContains(check.output,
+                 "[ FAIL ] loads, negotiates the ABI and returns a valid table: " + expected);
+}
+
+TEST(PluginLoading, InTreePlugins_ManifestMinorIsWhatTheLibraryNeeds) {
+  // Every manifest built beside bin/cai (the in-tree plugins and the SDK example) loads.
+  int checked = 0;
+  for (const auto& entry : fs::directory_iterator(BUILD_PLUGIN_DIR)) {
+    if (entry.path().extension() != ".toml") continue;
+    Result check = Cai("plugins check " + entry.path().string());
+    EXPECT_EQ(check.code, 0) << check.output;
+    ExpectContains(check.output, "[ PASS ] loads, negotiates the ABI and returns a valid table");
+    ++checked;
+  }
+  EXPECT_GE(checked, 4);  // ddp, fsdp, low_level_zero, hello_strategy
+}
+
 TEST(PluginLoading, Sha256Mismatch_IsRefusedAndMatchAccepted) {
   PluginDir dir;
   dir.AddHello();

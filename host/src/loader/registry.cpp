@@ -186,7 +186,7 @@ std::vector<PluginRecord> DiscoverPlugins(const std::vector<SearchLocation>& loc
       } catch (const Error& e) {
         // A directory anyone can write is refused whole: report each plugin it holds.
         for (const fs::path& p : ManifestsIn(location.path)) {
-          records.push_back({p, location.label, {}, e.what()});
+          records.push_back({p, location.label, {}, e.what(), {}});
         }
         continue;
       }
@@ -199,10 +199,10 @@ std::vector<PluginRecord> DiscoverPlugins(const std::vector<SearchLocation>& loc
       if (record.error.empty()) {
         auto [it, inserted] = first_by_name.emplace(record.manifest.name, record.manifest_path);
         if (!inserted) {
+          record.shadowed_by = it->second;
           record.error = record.manifest_path.string() + ": plugin name '" + record.manifest.name +
                          "' is already provided by " + it->second.string() +
-                         " (found first, so it wins); remove or rename "
-                         "one of them";
+                         " (found first, so it wins)";
         }
       }
       records.push_back(std::move(record));

@@ -28,8 +28,15 @@ namespace cai {
 struct PluginRecord {
   std::filesystem::path manifest_path;
   std::string found_in;  // which search location ("CAI_PLUGIN_PATH", "user", ...)
-  Manifest manifest;     // valid when error is empty
+  Manifest manifest;     // valid when error is empty or the plugin is shadowed
   std::string error;     // why the plugin cannot be used; empty when usable
+  // The manifest of the plugin of the same name found earlier in the search order, which is
+  // used instead of this one; empty when not shadowed. `error` then says so too, so that a
+  // caller skipping records with errors never chooses a shadowed plugin.
+  std::filesystem::path shadowed_by;
+
+  // Unusable for a reason of its own, not merely shadowed.
+  bool broken() const { return !error.empty() && shadowed_by.empty(); }
 };
 
 struct LoadedPlugin {
@@ -60,7 +67,7 @@ std::vector<SearchLocation> PluginSearchPath(const std::vector<std::filesystem::
 PluginRecord InspectManifest(const std::filesystem::path& manifest_path, std::string found_in);
 
 // Finds every plugin along the search path. Broken and shadowed plugins are included with
-// their reason.
+// their reason; a plugin that is itself broken is reported broken even when shadowed.
 std::vector<PluginRecord> DiscoverPlugins(const std::vector<SearchLocation>& locations);
 
 // The plugin's library, loaded from the very file that is checked: opened once, checked
@@ -71,8 +78,8 @@ void* LoadPluginLibrary(const Manifest& manifest);
 
 // Loads a plugin (LoadPluginLibrary), calls its entry once with `host`, and checks the
 // negotiation (the host minor the library needs must be this host's or older, and equal to
-// the manifest's [abi] min_host_minor) and the returned table. Throws cai::Error whose message names the library and
-// the reason. Loading the same library twice returns the first result.
+// the manifest's [abi] min_host_minor) and the returned table. Throws cai::Error whose message
+// names the library and the reason. Loading the same library twice returns the first result.
 const LoadedPlugin& LoadPlugin(const Manifest& manifest, const cai_host_api* host);
 
 }  // namespace cai

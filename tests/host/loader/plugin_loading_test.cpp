@@ -10,6 +10,7 @@
 #include <string>
 
 #include "cai/core.h"
+#include "core/json.h"
 #include "loader/file_checks.h"
 #include "plugin_dir.h"
 #include "util/subprocess.h"
@@ -253,18 +254,57 @@ TEST(PluginLoading, LibraryOwnedByAnotherUser_IsRefused) {
                          "owned by uid 65534, which is neither root nor the current user");
 }
 
-TEST(PluginLoading, SameNameTwice_FirstWinsSecondReported) {
+TEST(PluginLoading, SameNameTwice_FirstWinsSecondIsShadowedNotBroken) {
   PluginDir first, second;
   first.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
   auto shadowed =
       second.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
+  const std::string winner = (first.path() / "c_replica.toml").string();
   Result r =
       Cai("--plugin-path " + first.str() + " plugins list", "CAI_PLUGIN_PATH=" + second.str());
-  EXPECT_NE(r.code, 0);
-  ExpectContains(r.output, "c_replica           1.0.0     1.0+    ok      " +
-                               (first.path() / "c_replica.toml").string());
-  ExpectContains(r.output, shadowed.string() + ": plugin name 'c_replica' is already provided by " +
-                               (first.path() / "c_replica.toml").string());
+  EXPECT_EQ(r.code, 0) << r.output;
+  ExpectContains(r.output, "c_replica           1.0.0     1.0+    ok        " + winner);
+  ExpectContains(r.output, "c_replica           1.0.0     1.0+    shadowed  " + shadowed.string() +
+                               "\n    shadowed by " + winner +
+                               " (found first, so it is the one used)\n");
+  EXPECT_EQ(r.output.find("error"), std::string::npos) << r.output;
+  Result json = Cai("--plugin-path " + first.str() + " plugins list --json",
+                    "CAI_PLUGIN_PATH=" + second.str());
+  EXPECT_EQ(json.code, 0) << json.output;
+  ExpectContains(json.output, "\"path\": " + cai::JsonQuote(winner) +
+                                  ", \"found_in\": \"--plugin-path\", \"status\": \"ok\", "
+                                  "\"error\": \"\", \"shadowed_by\": null}");
+  ExpectContains(json.output, "\"path\": " + cai::JsonQuote(shadowed.string()) +
+                                  ", \"found_in\": \"CAI_PLUGIN_PATH\", \"status\": "
+                                  "\"shadowed\", \"error\": \"\", \"shadowed_by\": " +
+                                  cai::JsonQuote(winner) + "}");
+}
+
+TEST(PluginLoading, ShadowedPlugin_IsNeverUsedEvenWhenTheWinnerFailsToLoad) {
+  // The first c_replica passes inspection but fails at load (its manifest misstates the
+  // minor); the good one it shadows must not be taken instead.
+  PluginDir first, second;
+  first.Add(C_REPLICA_SO, "c_replica",
+            ManifestText("c_replica", Lib(C_REPLICA_SO), "", "major = 1\nmin_host_minor = 1"));
+  second.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
+  Result info =
+      Cai("plugins info c_replica", "CAI_PLUGIN_FILES=" + first.str() + ":" + second.str());
+  EXPECT_NE(info.code, 0) << info.output;
+  ExpectContains(info.output,
+                 (first.path() / "c_replica.toml").string() + ": [abi] min_host_minor = 1 but");
+}
+
+TEST(PluginLoading, ShadowedAndBroken_IsReportedBrokenAndFailsTheListing) {
+  PluginDir first, second;
+  first.AddHello();
+  auto bad =
+      second.Add(HELLO_SO, "hello_strategy",
+                 ManifestText("hello_strategy", Lib(HELLO_SO), "", "major = 1\nmin_host_minor = 0",
+                              "sha256 = \"" + std::string(64, 'a') + "\"\n"));
+  Result r = Cai("plugins list", "CAI_PLUGIN_FILES=" + first.str() + ":" + second.str());
+  EXPECT_NE(r.code, 0) << r.output;
+  ExpectContains(r.output, "broken    " + bad.string() + "\n    error: ");
+  ExpectContains(r.output, "sha256 mismatch");
 }
 
 TEST(PluginLoading, PluginFilesVariable_ReplacesTheSearchPath) {

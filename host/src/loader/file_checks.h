@@ -45,8 +45,9 @@ class CheckedFile {
   // dlopen(RTLD_NOW | RTLD_LOCAL) of /proc/self/fd/<fd>. The descriptor then stays open for
   // the life of the process: loaded code is never unloaded, and the dynamic loader knows the
   // library by that name, which must therefore never come to mean another file. A library
-  // whose inode is already loaded yields the existing handle. Throws cai::Error
-  // (FAILED_PRECONDITION) naming the path and the dynamic loader's reason.
+  // whose inode is already loaded yields the existing handle. $ORIGIN in the library's
+  // RUNPATH means /proc/self/fd, so its dependencies come from the loader's path. Throws
+  // cai::Error (FAILED_PRECONDITION) naming the path and the dynamic loader's reason.
   void* Load();
 
  private:

@@ -74,30 +74,29 @@ class ModuleDir {
   fs::path path_;
 };
 
-TEST(CudaModuleTrust, ModuleInADirectoryOthersMayWrite_IsRefusedNamingTheVariableAndTheChmod) {
-  ModuleDir dir;
-  ::chmod(dir.path().c_str(), 0777);
+// Loads `dir`'s module after `open_up` (the module or its directory, a `kind`) was given
+// `mode`, and expects the refusal that names the variable, the path, why and the chmod.
+void ExpectRefusedAsWritable(const ModuleDir& dir, const fs::path& open_up, const char* kind,
+                             const char* mode) {
+  ::chmod(open_up.c_str(), std::stoi(mode, nullptr, 8));
   Outcome out = LoadInChild(dir.module());
   EXPECT_EQ(out.code, CAI_PERMISSION_DENIED) << out.message;
   CAI_EXPECT_CONTAINS(out.message, "CAI_CUDA_MODULE=" + dir.module().string() + ": " +
-                                       dir.path().string() +
-                                       ": refused: directory is writable by group or others "
-                                       "(mode 0777), so anyone could replace the CUDA module's "
-                                       "code; run 'chmod go-w " +
-                                       dir.path().string() + "'");
+                                       open_up.string() + ": refused: " + kind +
+                                       " is writable by group or others (mode " + mode +
+                                       "), so anyone could replace the CUDA module's code; "
+                                       "run 'chmod go-w " +
+                                       open_up.string() + "'");
+}
+
+TEST(CudaModuleTrust, ModuleInADirectoryOthersMayWrite_IsRefusedNamingTheVariableAndTheChmod) {
+  ModuleDir dir;
+  ExpectRefusedAsWritable(dir, dir.path(), "directory", "0777");
 }
 
 TEST(CudaModuleTrust, ModuleWritableByGroup_IsRefusedNamingTheVariableAndTheChmod) {
   ModuleDir dir;
-  ::chmod(dir.module().c_str(), 0775);
-  Outcome out = LoadInChild(dir.module());
-  EXPECT_EQ(out.code, CAI_PERMISSION_DENIED) << out.message;
-  CAI_EXPECT_CONTAINS(out.message, "CAI_CUDA_MODULE=" + dir.module().string() + ": " +
-                                       dir.module().string() +
-                                       ": refused: file is writable by group or others (mode "
-                                       "0775), so anyone could replace the CUDA module's code; "
-                                       "run 'chmod go-w " +
-                                       dir.module().string() + "'");
+  ExpectRefusedAsWritable(dir, dir.module(), "file", "0775");
 }
 
 TEST(CudaModuleTrust, ModuleOwnedByAnotherUser_IsRefusedNamingTheChown) {

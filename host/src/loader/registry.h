@@ -10,7 +10,8 @@
 //      executable's bin/: the packaged plugins of an installed cai, or those of a build tree.
 // Environment variables and the user's directory are ignored in setuid processes.
 // A directory holds plugins as <name>.toml manifests beside their .so files, read in sorted
-// order. Manifests are parsed without loading anything; a library is loaded only by Load().
+// order. Manifests are parsed without loading anything; a library is loaded only by
+// LoadPluginLibrary() (and LoadPlugin(), which uses it).
 #pragma once
 
 #include <filesystem>

@@ -35,9 +35,13 @@ extern "C" {
 #define CAI_ABI_MAJOR 1
 /* Bumped for every append to any struct below; see CHANGELOG.md beside these headers. */
 #define CAI_ABI_MINOR 2
-/* The oldest host minor a plugin built from these headers needs. A plugin author who uses
- * nothing newer than, say, 1.0 defines CAI_TARGET_ABI_MINOR 0 before including cai/abi.h so
- * that older hosts accept the plugin. */
+/* The oldest host minor a plugin built from these headers needs: it reports it at init
+ * (cai_plugin_init_args.plugin_min_host_minor), and its manifest's [abi] min_host_minor must
+ * say the same (the host refuses a mismatch at load). Defaults to CAI_ABI_MINOR of these
+ * headers, so by default a plugin needs a host at least as new as its headers. A plugin
+ * author who uses nothing newer than, say, 1.0 defines CAI_TARGET_ABI_MINOR 0 before including
+ * cai/abi.h or cai/sdk.hpp so that older hosts accept the plugin, and then checks
+ * CAI_HAS_FIELD before using anything newer. */
 #ifndef CAI_TARGET_ABI_MINOR
 #define CAI_TARGET_ABI_MINOR CAI_ABI_MINOR
 #endif

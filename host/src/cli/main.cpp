@@ -19,8 +19,8 @@ namespace {
 constexpr std::string_view kUsage = R"(usage: cai [--plugin-path DIR]... COMMAND ...
 
 commands:
-  train JOB.toml [--nproc N] [--run-dir DIR] [--set key=value]...
-                            train a job (`cai train --help` for details)
+  train [JOB.toml] [--nproc N] [--run-dir DIR] [--set key=value]...
+                            train a job, or the defaults (`cai train --help` for details)
   plan JOB.toml [--nproc N] parameters, per-rank memory of each strategy, what "auto" picks
   bench comm [--nproc N]    time every collective, nccl-tests style
   plugins list [--json]     every plugin found, with version, ABI, path and status

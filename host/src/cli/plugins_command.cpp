@@ -14,6 +14,11 @@
 namespace cai {
 namespace {
 
+// "ok", "shadowed" (another plugin of its name is found first and used) or "broken".
+const char* Status(const PluginRecord& r) {
+  return r.error.empty() ? "ok" : r.broken() ? "broken" : "shadowed";
+}
+
 int List(const GlobalOptions& options, bool json, std::ostream& out) {
   std::vector<PluginRecord> records = DiscoverPlugins(PluginSearchPath(options.plugin_paths));
   int broken = 0;
@@ -21,34 +26,41 @@ int List(const GlobalOptions& options, bool json, std::ostream& out) {
     out << "[";
     for (size_t i = 0; i < records.size(); ++i) {
       const PluginRecord& r = records[i];
-      const bool ok = r.error.empty();
-      out << (i ? ",\n " : "\n ") << "{\"name\": " << JsonQuote(ok ? r.manifest.name : "")
-          << ", \"version\": " << JsonQuote(ok ? r.manifest.version : "") << ", \"abi\": "
-          << JsonQuote(ok ? std::to_string(r.manifest.abi_major) + "." +
-                                std::to_string(r.manifest.min_host_minor) + "+"
-                          : "")
-          << ", \"path\": " << JsonQuote(r.manifest_path.string())
-          << ", \"found_in\": " << JsonQuote(r.found_in)
-          << ", \"status\": " << JsonQuote(ok ? "ok" : "broken")
-          << ", \"error\": " << JsonQuote(r.error) << "}";
-      broken += !ok;
+      const bool parsed = !r.broken();
+      JsonObject o;
+      o.Add("name", parsed ? r.manifest.name : "")
+          .Add("version", parsed ? r.manifest.version : "")
+          .Add("abi", parsed ? std::to_string(r.manifest.abi_major) + "." +
+                                   std::to_string(r.manifest.min_host_minor) + "+"
+                             : "")
+          .Add("path", r.manifest_path.string())
+          .Add("found_in", r.found_in)
+          .Add("status", Status(r))
+          .Add("error", r.broken() ? r.error : "")
+          .AddRaw("shadowed_by",
+                  r.shadowed_by.empty() ? "null" : JsonQuote(r.shadowed_by.string()));
+      out << (i ? ",\n " : "\n ") << o.str();
+      broken += r.broken();
     }
     out << (records.empty() ? "]\n" : "\n]\n");
   } else {
     out << std::left << std::setw(20) << "NAME" << std::setw(10) << "VERSION" << std::setw(8)
-        << "ABI" << std::setw(8) << "STATUS"
+        << "ABI" << std::setw(10) << "STATUS"
         << "PATH\n";
     for (const PluginRecord& r : records) {
-      const bool ok = r.error.empty();
-      out << std::left << std::setw(20) << (ok ? r.manifest.name : "?") << std::setw(10)
-          << (ok ? r.manifest.version : "?") << std::setw(8)
-          << (ok ? std::to_string(r.manifest.abi_major) + "." +
-                       std::to_string(r.manifest.min_host_minor) + "+"
-                 : "?")
-          << std::setw(8) << (ok ? "ok" : "broken") << r.manifest_path.string() << "\n";
-      if (!ok) {
+      const bool parsed = !r.broken();
+      out << std::left << std::setw(20) << (parsed ? r.manifest.name : "?") << std::setw(10)
+          << (parsed ? r.manifest.version : "?") << std::setw(8)
+          << (parsed ? std::to_string(r.manifest.abi_major) + "." +
+                           std::to_string(r.manifest.min_host_minor) + "+"
+                     : "?")
+          << std::setw(10) << Status(r) << r.manifest_path.string() << "\n";
+      if (r.broken()) {
         out << "    error: " << r.error << "\n";
         ++broken;
+      } else if (!r.shadowed_by.empty()) {
+        out << "    shadowed by " << r.shadowed_by.string()
+            << " (found first, so it is the one used)\n";
       }
     }
     if (records.empty()) out << "(no plugins found; see `cai --help` for where cai looks)\n";

@@ -13,11 +13,12 @@ namespace cai {
 namespace {
 
 constexpr const char* kTrainUsage =
-    "usage: cai train JOB.toml [--nproc N] [--run-dir DIR] [--set key=value]...\n"
+    "usage: cai train [JOB.toml] [--nproc N] [--run-dir DIR] [--set key=value]...\n"
     "\n"
+    "  JOB.toml         the job; without one every key takes its default (--help-keys)\n"
     "  --nproc N        start N ranks on this machine (default: launch.nproc)\n"
     "  --run-dir DIR    where config.resolved.toml, metrics.jsonl, summary.json, logs/ and\n"
-    "                   checkpoints/ go (default: runs/<job>-<time>)\n"
+    "                   checkpoints/ go (default: runs/<job>-<time>, or runs/defaults-<time>)\n"
     "  --set key=value  override any job key, e.g. --set plugin.name=ddp --set train.steps=20\n"
     "  --help-keys      list every job key with its type, default and meaning\n"
     "\n"
@@ -75,11 +76,7 @@ int RunTrainCommand(const GlobalOptions& options, std::span<const std::string> a
                                             "' and '" + a + "')\n" + kTrainUsage);
     }
   }
-  if (train.job_file.empty()) {
-    throw Error(
-        CAI_INVALID_ARGUMENT,
-        "no job file given; the default job is examples/default.toml\n" + std::string(kTrainUsage));
-  }
+  // No job file: the built-in defaults of every key, with the --set overrides.
   return RunTrain(train);
 }
 

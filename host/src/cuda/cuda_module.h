@@ -72,10 +72,12 @@ class Module {
   virtual void Sgd(const FusedUpdate& u, const GroupHyper& h, int device, void* stream) = 0;
 };
 
-// The module, loaded once (thread-safe): from $CAI_CUDA_MODULE when set, else
-// cai/libcai_cuda.so beside the library this code is linked into. Throws UNAVAILABLE naming
-// the path and the reason (not built with CUDA, missing file, unresolved CUDA libraries,
-// build-id mismatch) with what to do.
+// The module, loaded once (thread-safe): from $CAI_CUDA_MODULE when set (ignored in setuid
+// processes), else cai/libcai_cuda.so beside the library this code is linked into; trusted as
+// a plugin is (file_checks.h) and loaded from the descriptor that was checked. Throws
+// PERMISSION_DENIED for an untrusted file or directory, naming the variable, the path and
+// the chmod or chown to run; UNAVAILABLE naming the path and the reason otherwise (not built
+// with CUDA, missing file, unresolved CUDA libraries, build-id mismatch) with what to do.
 Module& Load();
 
 // The build id host and module must share: same release, same interface revision, same

@@ -3,29 +3,30 @@
 #include <filesystem>
 #include <mutex>
 
+#include "core/env.h"
 #include "core/status.h"
 #include "cuda/cuda_module.h"
+#include "loader/file_checks.h"
 
 namespace cai::cuda {
 namespace {
 
-// $CAI_CUDA_MODULE, when set and not empty.
-const char* ModuleOverride() {
-  const char* path = std::getenv("CAI_CUDA_MODULE");
-  return path && *path ? path : nullptr;
-}
+// $CAI_CUDA_MODULE, when set and not empty (and never in a setuid process).
+const char* ModuleOverride() { return SecureGetenv("CAI_CUDA_MODULE"); }
 
 std::filesystem::path ModulePath() {
   if (const char* path = ModuleOverride()) return path;
   Dl_info info{};
   if (::dladdr(reinterpret_cast<void*>(&Load), &info) == 0 || info.dli_fname == nullptr) {
-    return "libcai_cuda.so";
+    // Never a bare name: that would be looked up relative to the working directory.
+    throw Error(CAI_UNAVAILABLE,
+                "cannot tell where cai's library is, so not where its CUDA module is; set "
+                "CAI_CUDA_MODULE to libcai_cuda.so");
   }
   return std::filesystem::path(info.dli_fname).parent_path() / "cai" / "libcai_cuda.so";
 }
 
 Module* Open() {
-  const std::filesystem::path path = ModulePath();
 #ifndef CAI_HAVE_CUDA_MODULE
   if (!ModuleOverride()) {
     throw Error(CAI_UNAVAILABLE,
@@ -34,14 +35,21 @@ Module* Open() {
                 "or keep tensors in host memory");
   }
 #endif
-  // RTLD_LOCAL: the CUDA runtime and NCCL stay private to the module; never unloaded, as
-  // NCCL's threads may outlive any handle.
-  void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* why = ::dlerror();
+  const std::filesystem::path path = ModulePath();
+  // The module is code cai runs: checked as plugins are, and loaded from the descriptor that
+  // was checked (file_checks.h). RTLD_LOCAL: the CUDA runtime and NCCL stay private to the
+  // module; never unloaded, as NCCL's threads may outlive any handle.
+  void* handle = nullptr;
+  try {
+    handle = CheckedFile::Open(path, "the CUDA module's code").Load();
+  } catch (const Error& e) {
+    if (e.code() == CAI_PERMISSION_DENIED) {
+      throw Error(CAI_PERMISSION_DENIED,
+                  (ModuleOverride() ? "CAI_CUDA_MODULE=" : "cai's CUDA module ") + path.string() +
+                      ": " + e.what());
+    }
     throw Error(CAI_UNAVAILABLE,
-                "cannot load cai's CUDA module " + path.string() + ": " +
-                    (why ? why : "unknown error") +
+                "cannot load cai's CUDA module " + std::string(e.what()) +
                     " (install the cai CUDA package, or set CAI_CUDA_MODULE to libcai_cuda.so; "
                     "its CUDA runtime and NCCL must be on the loader's path)");
   }

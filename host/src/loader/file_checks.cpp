@@ -1,14 +1,19 @@
 #include "loader/file_checks.h"
 
+#include <dlfcn.h>
 #include <elf.h>
+#include <fcntl.h>
+#include <pwd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <utility>
 
 #include "core/status.h"
 
@@ -21,6 +26,21 @@ std::vector<char> ReadAll(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(CAI_NOT_FOUND, path.string() + ": cannot be read");
   return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+}
+
+// Everything from offset 0 of an open file, whatever its file offset.
+std::vector<char> ReadAll(int fd, const fs::path& path) {
+  std::vector<char> data;
+  char buffer[1 << 16];
+  for (;;) {
+    const ssize_t n = ::pread(fd, buffer, sizeof buffer, static_cast<off_t>(data.size()));
+    if (n == 0) return data;
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      throw Error(CAI_NOT_FOUND, path.string() + ": cannot be read: " + std::strerror(errno));
+    }
+    data.insert(data.end(), buffer, buffer + n);
+  }
 }
 
 constexpr std::array<uint32_t, 64> kRound = {
@@ -70,10 +90,7 @@ void Compress(std::array<uint32_t, 8>& h, const unsigned char* block) {
   h[7] += hh;
 }
 
-}  // namespace
-
-std::string Sha256File(const fs::path& path) {
-  std::vector<char> data = ReadAll(path);
+std::string Sha256Hex(std::vector<char> data) {
   std::array<uint32_t, 8> h = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
                                0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
   const uint64_t bit_length = uint64_t(data.size()) * 8;
@@ -91,27 +108,87 @@ std::string Sha256File(const fs::path& path) {
   return hex;
 }
 
-void CheckTrusted(const fs::path& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    throw Error(CAI_NOT_FOUND, path.string() + ": does not exist");
-  }
+std::string UserName(uid_t uid) {
+  if (const passwd* pw = ::getpwuid(uid)) return pw->pw_name;
+  return std::to_string(uid);
+}
+
+// The trust rule of CheckTrusted, on a file's status.
+void CheckStat(const struct stat& st, const fs::path& path, std::string_view at_stake) {
   const bool is_dir = S_ISDIR(st.st_mode);
   if (st.st_mode & (S_IWGRP | S_IWOTH)) {
     char mode[8];
     std::snprintf(mode, sizeof mode, "%04o", unsigned(st.st_mode & 07777));
-    throw Error(CAI_PERMISSION_DENIED,
-                path.string() + ": refused: " + (is_dir ? "directory" : "file") +
-                    " is writable by group or others (mode " + mode +
-                    "), so anyone could replace the plugin code; run 'chmod go-w " + path.string() +
-                    "'");
+    throw Error(CAI_PERMISSION_DENIED, path.string() +
+                                           ": refused: " + (is_dir ? "directory" : "file") +
+                                           " is writable by group or others (mode " + mode +
+                                           "), so anyone could replace " + std::string(at_stake) +
+                                           "; run 'chmod go-w " + path.string() + "'");
   }
   if (st.st_uid != 0 && st.st_uid != ::geteuid()) {
     throw Error(CAI_PERMISSION_DENIED,
                 path.string() + ": refused: owned by uid " + std::to_string(st.st_uid) +
                     ", which is neither root nor the current user (uid " +
-                    std::to_string(::geteuid()) + "); chown it or install it elsewhere");
+                    std::to_string(::geteuid()) + "), so that user could replace " +
+                    std::string(at_stake) + "; run 'sudo chown " + UserName(::geteuid()) + " " +
+                    path.string() + "' or install it elsewhere");
   }
+}
+
+}  // namespace
+
+std::string Sha256File(const fs::path& path) { return Sha256Hex(ReadAll(path)); }
+
+void CheckTrusted(const fs::path& path, std::string_view at_stake) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    throw Error(CAI_NOT_FOUND, path.string() + ": does not exist");
+  }
+  CheckStat(st, path, at_stake);
+}
+
+CheckedFile CheckedFile::Open(const fs::path& path, std::string_view at_stake) {
+  // O_NONBLOCK: a FIFO put where a library should be fails the check below instead of
+  // blocking the open; it changes nothing for a regular file.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    throw Error(CAI_NOT_FOUND, path.string() + ": cannot be opened: " + std::strerror(errno));
+  }
+  CheckedFile file(path, fd);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    throw Error(CAI_INVALID_ARGUMENT, path.string() + ": not a regular file");
+  }
+  CheckStat(st, path, at_stake);
+  // The directory the opened file is in, links resolved: whoever can write it could have
+  // swapped the file before it was opened.
+  std::error_code ec;
+  const fs::path opened = fs::read_symlink("/proc/self/fd/" + std::to_string(fd), ec);
+  CheckTrusted((ec ? fs::absolute(path, ec) : opened).parent_path(), at_stake);
+  return file;
+}
+
+CheckedFile::CheckedFile(CheckedFile&& other) noexcept
+    : path_(std::move(other.path_)), fd_(std::exchange(other.fd_, -1)) {}
+
+CheckedFile::~CheckedFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::string CheckedFile::Sha256() const { return Sha256Hex(ReadAll(fd_, path_)); }
+
+void* CheckedFile::Load() {
+  const std::string name = "/proc/self/fd/" + std::to_string(fd_);
+  void* handle = ::dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* error = ::dlerror();
+    std::string why = error ? error : "unknown error";
+    // dlerror() names the library by its descriptor; the message already starts with its path.
+    if (why.rfind(name + ": ", 0) == 0) why.erase(0, name.size() + 2);
+    throw Error(CAI_FAILED_PRECONDITION, path_.string() + ": cannot be loaded: " + why);
+  }
+  fd_ = -1;  // kept open for good: see the header
+  return handle;
 }
 
 ElfInfo ReadElfInfo(const fs::path& path) {

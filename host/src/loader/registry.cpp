@@ -1,16 +1,14 @@
 #include "loader/registry.h"
 
-#define BOOST_DLL_USE_STD_FS
-#include <sys/auxv.h>
+#include <dlfcn.h>
 
 #include <algorithm>
-#include <boost/dll/shared_library.hpp>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
 
+#include "core/env.h"
 #include "core/status.h"
 #include "loader/file_checks.h"
 
@@ -18,10 +16,6 @@ namespace cai {
 namespace {
 
 namespace fs = std::filesystem;
-
-bool Secure() { return getauxval(AT_SECURE) != 0; }
-
-const char* Env(const char* name) { return Secure() ? nullptr : std::getenv(name); }
 
 std::vector<fs::path> SplitPath(const char* value) {
   std::vector<fs::path> out;
@@ -56,6 +50,26 @@ std::string Join(const std::vector<std::string>& items) {
   std::string out;
   for (const auto& s : items) out += (out.empty() ? "" : ", ") + s;
   return out;
+}
+
+// The plugin's library, opened once and checked through that descriptor: present, trusted, and
+// the manifest's sha256 when it gives one.
+CheckedFile OpenLibrary(const Manifest& m) {
+  std::error_code ec;
+  if (!fs::is_regular_file(m.library, ec)) {
+    throw Error(CAI_NOT_FOUND, m.library.string() + ": plugin library not found (named by " +
+                                   m.path.string() + " library.path)");
+  }
+  CheckedFile file = CheckedFile::Open(m.library);
+  if (m.sha256) {
+    std::string actual = file.Sha256();
+    if (actual != *m.sha256) {
+      throw Error(CAI_DATA_LOSS, m.library.string() + ": sha256 mismatch: manifest " +
+                                     m.path.string() + " says " + *m.sha256 + ", file has " +
+                                     actual + "; reinstall the plugin or fix library.sha256");
+    }
+  }
+  return file;
 }
 
 // Required entries of an ABI 1.0 table; absent optional ones are allowed.
@@ -115,7 +129,7 @@ void CheckTable(const Manifest& m, const cai_plugin_api* api) {
 
 std::vector<SearchLocation> PluginSearchPath(const std::vector<fs::path>& extra) {
   std::vector<SearchLocation> out;
-  if (const char* files = Env("CAI_PLUGIN_FILES"); files && *files) {
+  if (const char* files = SecureGetenv("CAI_PLUGIN_FILES")) {
     for (const fs::path& p : SplitPath(files)) {
       std::error_code ec;
       out.push_back({p, "CAI_PLUGIN_FILES", !fs::is_directory(p, ec)});
@@ -123,13 +137,13 @@ std::vector<SearchLocation> PluginSearchPath(const std::vector<fs::path>& extra)
     return out;
   }
   for (const fs::path& p : extra) out.push_back({p, "--plugin-path"});
-  for (const fs::path& p : SplitPath(Env("CAI_PLUGIN_PATH"))) out.push_back({p, "CAI_PLUGIN_PATH"});
-  if (!Secure()) {
-    if (const char* xdg = std::getenv("XDG_DATA_HOME"); xdg && *xdg) {
-      out.push_back({fs::path(xdg) / "cai/plugins", "user"});
-    } else if (const char* home = std::getenv("HOME"); home && *home) {
-      out.push_back({fs::path(home) / ".local/share/cai/plugins", "user"});
-    }
+  for (const fs::path& p : SplitPath(SecureGetenv("CAI_PLUGIN_PATH")))
+    out.push_back({p, "CAI_PLUGIN_PATH"});
+  // Both unset in a setuid process: no user directory then.
+  if (const char* xdg = SecureGetenv("XDG_DATA_HOME")) {
+    out.push_back({fs::path(xdg) / "cai/plugins", "user"});
+  } else if (const char* home = SecureGetenv("HOME")) {
+    out.push_back({fs::path(home) / ".local/share/cai/plugins", "user"});
   }
   out.push_back({"/usr/local/lib/cai/plugins", "local"});
   if (fs::path prefix = ExecutablePrefix(); !prefix.empty()) {
@@ -149,20 +163,7 @@ PluginRecord InspectManifest(const fs::path& manifest_path, std::string found_in
     record.manifest = ParseManifest(record.manifest_path);
     CheckTrusted(record.manifest_path.parent_path());
     CheckTrusted(record.manifest_path);
-    const Manifest& m = record.manifest;
-    if (!fs::is_regular_file(m.library, ec)) {
-      throw Error(CAI_NOT_FOUND, m.library.string() + ": plugin library not found (named by " +
-                                     m.path.string() + " library.path)");
-    }
-    CheckTrusted(m.library);
-    if (m.sha256) {
-      std::string actual = Sha256File(m.library);
-      if (actual != *m.sha256) {
-        throw Error(CAI_DATA_LOSS, m.library.string() + ": sha256 mismatch: manifest " +
-                                       m.path.string() + " says " + *m.sha256 + ", file has " +
-                                       actual + "; reinstall the plugin or fix library.sha256");
-      }
-    }
+    OpenLibrary(record.manifest);  // checked now for the listing, and again when loaded
   } catch (const Error& e) {
     record.error = e.what();
   }
@@ -185,7 +186,7 @@ std::vector<PluginRecord> DiscoverPlugins(const std::vector<SearchLocation>& loc
       } catch (const Error& e) {
         // A directory anyone can write is refused whole: report each plugin it holds.
         for (const fs::path& p : ManifestsIn(location.path)) {
-          records.push_back({p, location.label, {}, e.what()});
+          records.push_back({p, location.label, {}, e.what(), {}});
         }
         continue;
       }
@@ -198,16 +199,26 @@ std::vector<PluginRecord> DiscoverPlugins(const std::vector<SearchLocation>& loc
       if (record.error.empty()) {
         auto [it, inserted] = first_by_name.emplace(record.manifest.name, record.manifest_path);
         if (!inserted) {
+          record.shadowed_by = it->second;
           record.error = record.manifest_path.string() + ": plugin name '" + record.manifest.name +
                          "' is already provided by " + it->second.string() +
-                         " (found first, so it wins); remove or rename "
-                         "one of them";
+                         " (found first, so it wins)";
         }
       }
       records.push_back(std::move(record));
     }
   }
   return records;
+}
+
+void* LoadPluginLibrary(const Manifest& manifest) {
+  static std::mutex mutex;
+  static auto* handles = new std::map<fs::path, void*>();  // never freed, like the libraries
+  std::lock_guard lock(mutex);
+  if (auto it = handles->find(manifest.library); it != handles->end()) return it->second;
+  void* handle = OpenLibrary(manifest).Load();
+  handles->emplace(manifest.library, handle);
+  return handle;
 }
 
 const LoadedPlugin& LoadPlugin(const Manifest& manifest, const cai_host_api* host) {
@@ -219,19 +230,13 @@ const LoadedPlugin& LoadPlugin(const Manifest& manifest, const cai_host_api* hos
   if (auto it = loaded->find(manifest.library); it != loaded->end()) return *it->second;
 
   const std::string lib = manifest.library.string();
-  boost::dll::shared_library* library = nullptr;
-  try {
-    library = new boost::dll::shared_library(
-        manifest.library, boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local);
-  } catch (const std::exception& e) {
-    throw Error(CAI_FAILED_PRECONDITION, lib + ": cannot be loaded: " + e.what());
-  }
-  if (!library->has(manifest.entry)) {
+  void* library = LoadPluginLibrary(manifest);
+  auto* init = reinterpret_cast<cai_plugin_init_fn>(::dlsym(library, manifest.entry.c_str()));
+  if (init == nullptr) {
     throw Error(CAI_FAILED_PRECONDITION, lib + ": does not export the entry symbol '" +
                                              manifest.entry +
                                              "'; build it with the cai SDK's CAI_PLUGIN() macro");
   }
-  auto init = library->get<cai_status*(cai_plugin_init_args*)>(manifest.entry);
 
   cai_plugin_init_args args{};
   args.struct_size = CAI_PLUGIN_INIT_ARGS_STRUCT_SIZE;
@@ -262,6 +267,16 @@ const LoadedPlugin& LoadPlugin(const Manifest& manifest, const cai_host_api* hos
                     " or newer; this host is 1." + std::to_string(CAI_ABI_MINOR) +
                     ". Upgrade cai, or rebuild the plugin with CAI_TARGET_ABI_MINOR=" +
                     std::to_string(CAI_ABI_MINOR));
+  }
+  // The manifest is what hosts and packages judge the plugin by before loading anything, so
+  // it must say what the library itself reports needing.
+  if (args.plugin_min_host_minor != manifest.min_host_minor) {
+    const std::string needed = std::to_string(args.plugin_min_host_minor);
+    throw Error(CAI_FAILED_PRECONDITION,
+                manifest.path.string() +
+                    ": [abi] min_host_minor = " + std::to_string(manifest.min_host_minor) +
+                    " but " + lib + " was built to need host ABI " + std::to_string(CAI_ABI_MAJOR) +
+                    "." + needed + " (CAI_TARGET_ABI_MINOR); set min_host_minor = " + needed);
   }
   CheckTable(manifest, args.plugin);
   auto* plugin = new LoadedPlugin();

@@ -10,7 +10,8 @@
 //      executable's bin/: the packaged plugins of an installed cai, or those of a build tree.
 // Environment variables and the user's directory are ignored in setuid processes.
 // A directory holds plugins as <name>.toml manifests beside their .so files, read in sorted
-// order. Manifests are parsed without loading anything; a library is loaded only by Load().
+// order. Manifests are parsed without loading anything; a library is loaded only by
+// LoadPluginLibrary() (and LoadPlugin(), which uses it).
 #pragma once
 
 #include <filesystem>
@@ -28,8 +29,15 @@ namespace cai {
 struct PluginRecord {
   std::filesystem::path manifest_path;
   std::string found_in;  // which search location ("CAI_PLUGIN_PATH", "user", ...)
-  Manifest manifest;     // valid when error is empty
+  Manifest manifest;     // valid when error is empty or the plugin is shadowed
   std::string error;     // why the plugin cannot be used; empty when usable
+  // The manifest of the plugin of the same name found earlier in the search order, which is
+  // used instead of this one; empty when not shadowed. `error` then says so too, so that a
+  // caller skipping records with errors never chooses a shadowed plugin.
+  std::filesystem::path shadowed_by;
+
+  // Unusable for a reason of its own, not merely shadowed.
+  bool broken() const { return !error.empty() && shadowed_by.empty(); }
 };
 
 struct LoadedPlugin {
@@ -60,13 +68,19 @@ std::vector<SearchLocation> PluginSearchPath(const std::vector<std::filesystem::
 PluginRecord InspectManifest(const std::filesystem::path& manifest_path, std::string found_in);
 
 // Finds every plugin along the search path. Broken and shadowed plugins are included with
-// their reason.
+// their reason; a plugin that is itself broken is reported broken even when shadowed.
 std::vector<PluginRecord> DiscoverPlugins(const std::vector<SearchLocation>& locations);
 
-// Loads a checked plugin: dlopen (RTLD_NOW | RTLD_LOCAL, never unloaded), calls its entry
-// once with `host`, and checks the negotiation and the returned table. Throws cai::Error whose
-// message names the library and the reason. Loading the same library twice returns the first
-// result.
+// The plugin's library, loaded from the very file that is checked: opened once, checked
+// through that descriptor (trust, sha256) and loaded from it (RTLD_NOW | RTLD_LOCAL, never
+// unloaded), so replacing the file after InspectManifest() cannot slip other code in. The same
+// handle for the same library. Throws cai::Error naming the library and the reason.
+void* LoadPluginLibrary(const Manifest& manifest);
+
+// Loads a plugin (LoadPluginLibrary), calls its entry once with `host`, and checks the
+// negotiation (the host minor the library needs must be this host's or older, and equal to
+// the manifest's [abi] min_host_minor) and the returned table. Throws cai::Error whose message
+// names the library and the reason. Loading the same library twice returns the first result.
 const LoadedPlugin& LoadPlugin(const Manifest& manifest, const cai_host_api* host);
 
 }  // namespace cai

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/env.h"
 #include "core/status.h"
 #include "mem/parallel.h"
 
@@ -55,8 +56,9 @@ std::string FormatBytes(uint64_t bytes) {
 }
 
 std::string DefaultNvmeDirectory() {
-  const char* tmp = std::getenv("TMPDIR");
-  return tmp && *tmp ? tmp : "/tmp";
+  // A data path, not code: secure_getenv only, no trust checks.
+  const char* tmp = SecureGetenv("TMPDIR");
+  return tmp ? tmp : "/tmp";
 }
 
 size_t PageSize() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }

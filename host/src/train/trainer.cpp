@@ -54,7 +54,7 @@ fs::path DefaultRunDir(const fs::path& job_file) {
   std::time_t now = std::time(nullptr);
   char stamp[32];
   std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&now));
-  std::string stem = job_file.empty() ? "job" : job_file.stem().string();
+  std::string stem = job_file.empty() ? "defaults" : job_file.stem().string();
   return fs::path("runs") / (stem + "-" + stamp);
 }
 

@@ -8,9 +8,9 @@
 namespace cai {
 
 struct TrainOptions {
-  std::filesystem::path job_file;
+  std::filesystem::path job_file;                   // empty: every key takes its default
   int nproc = 0;                                    // 0: launch.nproc of the job
-  std::filesystem::path run_dir;                    // empty: runs/<job name>-<time>
+  std::filesystem::path run_dir;                    // empty: runs/<job name or defaults>-<time>
   std::vector<std::string> sets;                    // --set key=value, in order
   std::vector<std::filesystem::path> plugin_paths;  // --plugin-path
 };

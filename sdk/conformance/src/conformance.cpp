@@ -116,9 +116,8 @@ std::vector<CheckResult> Run(const fs::path& path, const Options& options) {
     return manifest.entry;
   });
   check("refuses a host of another ABI major without filling its outputs", [&] {
-    // The same handle LoadPlugin gets later: dlopen counts references and never unloads here.
-    void* handle = dlopen(manifest.library.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!handle) throw Error(CAI_FAILED_PRECONDITION, std::string("dlopen: ") + dlerror());
+    // The same handle LoadPlugin gets later, loaded from the file that was checked.
+    void* handle = LoadPluginLibrary(manifest);
     auto init = reinterpret_cast<cai_plugin_init_fn>(dlsym(handle, manifest.entry.c_str()));
     if (!init) throw Error(CAI_FAILED_PRECONDITION, "entry symbol not found");
     cai_plugin_init_args args{};

@@ -10,13 +10,18 @@
 #include <string>
 
 #include "cai/core.h"
+#include "core/json.h"
 #include "loader/file_checks.h"
+#include "plugin_dir.h"
 #include "util/subprocess.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
+using cai::testing::Lib;
+using cai::testing::ManifestText;
+using cai::testing::PluginDir;
 using cai::testing::Result;
 
 // Runs `cai ARGS` with only the given plugin search variables set.
@@ -24,50 +29,6 @@ Result Cai(const std::string& args, const std::string& env = "") {
   return cai::testing::RunCommand("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent " +
                                   env + " " + CAI_EXE + " " + args);
 }
-
-std::string ManifestText(const std::string& name, const std::string& library,
-                         const std::string& extra_plugin = "",
-                         const std::string& abi = "major = 1\nmin_host_minor = 0",
-                         const std::string& extra_library = "") {
-  return "manifest_version = 1\n[plugin]\nname = \"" + name +
-         "\"\nkind = \"strategy\"\nversion = \"1.0.0\"\nlicense = \"Apache-2.0\"\n"
-         "description = \"test\"\n" +
-         extra_plugin + "[library]\npath = \"" + library + "\"\nentry = \"cai_plugin_init_v1\"\n" +
-         extra_library + "[abi]\n" + abi + "\n[capabilities]\nprecisions = [\"fp32\"]\n";
-}
-
-class PluginDir {
- public:
-  PluginDir() {
-    char pattern[] = "/tmp/cai-plugins-XXXXXX";
-    path_ = mkdtemp(pattern);  // mode 0700: trusted
-  }
-  ~PluginDir() {
-    std::error_code ec;
-    fs::permissions(path_, fs::perms::owner_all, ec);
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  std::string str() const { return path_.string(); }
-
-  // Copies `so` in and writes `name`.toml with the given text.
-  fs::path Add(const std::string& so, const std::string& name, const std::string& manifest) {
-    if (!so.empty()) {
-      fs::copy_file(so, path_ / fs::path(so).filename(), fs::copy_options::overwrite_existing);
-      chmod((path_ / fs::path(so).filename()).c_str(), 0755);
-    }
-    fs::path toml = path_ / (name + ".toml");
-    std::ofstream(toml) << manifest;
-    chmod(toml.c_str(), 0644);
-    return toml;
-  }
-  void AddHello() { Add(HELLO_SO, "hello_strategy", cai::testing::ReadFile(HELLO_TOML)); }
-
- private:
-  fs::path path_;
-};
-
-std::string Lib(const char* so) { return fs::path(so).filename().string(); }
 
 void ExpectContains(const std::string& haystack, const std::string& needle) {
   CAI_EXPECT_CONTAINS(haystack, needle);
@@ -213,6 +174,38 @@ TEST(PluginLoading, PluginNeedingNewerHostMinor_IsRefused) {
                  "needs host ABI 1.99 or newer; this host is 1." + std::to_string(CAI_ABI_MINOR));
 }
 
+TEST(PluginLoading, ManifestMinorOtherThanTheLibraryNeeds_IsRefusedWithTheValueToSet) {
+  // c_replica is built from the 1.0 headers and needs host 1.0; its manifest claims 1.1.
+  PluginDir dir;
+  auto manifest =
+      dir.Add(C_REPLICA_SO, "c_replica",
+              ManifestText("c_replica", Lib(C_REPLICA_SO), "", "major = 1\nmin_host_minor = 1"));
+  const std::string expected = manifest.string() + ": [abi] min_host_minor = 1 but " +
+                               (dir.path() / Lib(C_REPLICA_SO)).string() +
+                               " was built to need host ABI 1.0 (CAI_TARGET_ABI_MINOR); set "
+                               "min_host_minor = 0";
+  Result info = Cai("plugins info c_replica", "CAI_PLUGIN_FILES=" + dir.str());
+  EXPECT_NE(info.code, 0);
+  ExpectContains(info.output, expected);
+  Result check = Cai("plugins check " + manifest.string());
+  EXPECT_NE(check.code, 0);
+  ExpectContains(check.output,
+                 "[ FAIL ] loads, negotiates the ABI and returns a valid table: " + expected);
+}
+
+TEST(PluginLoading, InTreePlugins_ManifestMinorIsWhatTheLibraryNeeds) {
+  // Every manifest built beside bin/cai (the in-tree plugins and the SDK example) loads.
+  int checked = 0;
+  for (const auto& entry : fs::directory_iterator(BUILD_PLUGIN_DIR)) {
+    if (entry.path().extension() != ".toml") continue;
+    Result check = Cai("plugins check " + entry.path().string());
+    EXPECT_EQ(check.code, 0) << check.output;
+    ExpectContains(check.output, "[ PASS ] loads, negotiates the ABI and returns a valid table");
+    ++checked;
+  }
+  EXPECT_GE(checked, 4);  // ddp, fsdp, low_level_zero, hello_strategy
+}
+
 TEST(PluginLoading, Sha256Mismatch_IsRefusedAndMatchAccepted) {
   PluginDir dir;
   dir.AddHello();
@@ -261,18 +254,57 @@ TEST(PluginLoading, LibraryOwnedByAnotherUser_IsRefused) {
                          "owned by uid 65534, which is neither root nor the current user");
 }
 
-TEST(PluginLoading, SameNameTwice_FirstWinsSecondReported) {
+TEST(PluginLoading, SameNameTwice_FirstWinsSecondIsShadowedNotBroken) {
   PluginDir first, second;
   first.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
   auto shadowed =
       second.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
+  const std::string winner = (first.path() / "c_replica.toml").string();
   Result r =
       Cai("--plugin-path " + first.str() + " plugins list", "CAI_PLUGIN_PATH=" + second.str());
-  EXPECT_NE(r.code, 0);
-  ExpectContains(r.output, "c_replica           1.0.0     1.0+    ok      " +
-                               (first.path() / "c_replica.toml").string());
-  ExpectContains(r.output, shadowed.string() + ": plugin name 'c_replica' is already provided by " +
-                               (first.path() / "c_replica.toml").string());
+  EXPECT_EQ(r.code, 0) << r.output;
+  ExpectContains(r.output, "c_replica           1.0.0     1.0+    ok        " + winner);
+  ExpectContains(r.output, "c_replica           1.0.0     1.0+    shadowed  " + shadowed.string() +
+                               "\n    shadowed by " + winner +
+                               " (found first, so it is the one used)\n");
+  EXPECT_EQ(r.output.find("error"), std::string::npos) << r.output;
+  Result json = Cai("--plugin-path " + first.str() + " plugins list --json",
+                    "CAI_PLUGIN_PATH=" + second.str());
+  EXPECT_EQ(json.code, 0) << json.output;
+  ExpectContains(json.output, "\"path\": " + cai::JsonQuote(winner) +
+                                  ", \"found_in\": \"--plugin-path\", \"status\": \"ok\", "
+                                  "\"error\": \"\", \"shadowed_by\": null}");
+  ExpectContains(json.output, "\"path\": " + cai::JsonQuote(shadowed.string()) +
+                                  ", \"found_in\": \"CAI_PLUGIN_PATH\", \"status\": "
+                                  "\"shadowed\", \"error\": \"\", \"shadowed_by\": " +
+                                  cai::JsonQuote(winner) + "}");
+}
+
+TEST(PluginLoading, ShadowedPlugin_IsNeverUsedEvenWhenTheWinnerFailsToLoad) {
+  // The first c_replica passes inspection but fails at load (its manifest misstates the
+  // minor); the good one it shadows must not be taken instead.
+  PluginDir first, second;
+  first.Add(C_REPLICA_SO, "c_replica",
+            ManifestText("c_replica", Lib(C_REPLICA_SO), "", "major = 1\nmin_host_minor = 1"));
+  second.Add(C_REPLICA_SO, "c_replica", ManifestText("c_replica", Lib(C_REPLICA_SO)));
+  Result info =
+      Cai("plugins info c_replica", "CAI_PLUGIN_FILES=" + first.str() + ":" + second.str());
+  EXPECT_NE(info.code, 0) << info.output;
+  ExpectContains(info.output,
+                 (first.path() / "c_replica.toml").string() + ": [abi] min_host_minor = 1 but");
+}
+
+TEST(PluginLoading, ShadowedAndBroken_IsReportedBrokenAndFailsTheListing) {
+  PluginDir first, second;
+  first.AddHello();
+  auto bad =
+      second.Add(HELLO_SO, "hello_strategy",
+                 ManifestText("hello_strategy", Lib(HELLO_SO), "", "major = 1\nmin_host_minor = 0",
+                              "sha256 = \"" + std::string(64, 'a') + "\"\n"));
+  Result r = Cai("plugins list", "CAI_PLUGIN_FILES=" + first.str() + ":" + second.str());
+  EXPECT_NE(r.code, 0) << r.output;
+  ExpectContains(r.output, "broken    " + bad.string() + "\n    error: ");
+  ExpectContains(r.output, "sha256 mismatch");
 }
 
 TEST(PluginLoading, PluginFilesVariable_ReplacesTheSearchPath) {

@@ -43,12 +43,12 @@ class TempDir {
   fs::path path_;
 };
 
-// `cai train` on the tiny job, with the plugin search restricted to the build tree.
-Result Train(const std::string& args, const std::string& env = "") {
-  return RunCommand(
-      "env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES -u RANK -u WORLD_SIZE -u SLURM_PROCID "
-      "-u OMPI_COMM_WORLD_RANK HOME=/nonexistent " +
-      env + " " + CAI_EXE + " train " + args);
+// `cai train ARGS`, with the plugin search restricted to the build tree, in `cwd` if given.
+Result Train(const std::string& args, const std::string& env = "", const std::string& cwd = "") {
+  return RunCommand((cwd.empty() ? "" : "cd " + cwd + " && ") +
+                    "env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES -u RANK -u WORLD_SIZE "
+                    "-u SLURM_PROCID -u OMPI_COMM_WORLD_RANK HOME=/nonexistent " +
+                    env + " " + CAI_EXE + " train " + args);
 }
 
 // The loss of each step in a run directory's metrics.jsonl, as written (full precision).
@@ -101,6 +101,27 @@ TEST(Train, Reference_LossFallsAndRunDirIsComplete) {
   CAI_EXPECT_CONTAINS(summary, "\"wire_bytes_per_step_mean\": {\"all_reduce\": 0, ");
   CAI_EXPECT_CONTAINS(ReadFile((dir / "config.resolved.toml").string()), "steps = 30");
   CAI_EXPECT_CONTAINS(r.output, "cai: metrics in " + (dir / "metrics.jsonl").string());
+}
+
+TEST(Train, NoJobFile_TrainsTheBuiltInDefaultsWithTheOverrides) {
+  // Every key at its default (`cai train --help-keys`) but a model and batch small enough for
+  // one quick step; the run directory is named for the defaults.
+  TempDir cwd;
+  Result r = Train(
+      "--set train.steps=1 --set model.n_layer=1 --set model.n_embd=32 --set model.n_head=2 "
+      "--set model.n_ctx=32 --set train.seq_len=32 --set train.global_batch=2 "
+      "--set train.eval_batches=1 --set train.threads=1 --set checkpoint.at_end=false",
+      "", cwd.str());
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::vector<fs::path> runs;
+  for (const auto& entry : fs::directory_iterator(cwd / "runs")) runs.push_back(entry.path());
+  ASSERT_EQ(runs.size(), 1u) << r.output;
+  EXPECT_EQ(runs[0].filename().string().rfind("defaults-", 0), 0u) << runs[0];
+  EXPECT_EQ(Losses(runs[0]).size(), 1u);
+  const std::string resolved = ReadFile((runs[0] / "config.resolved.toml").string());
+  CAI_EXPECT_CONTAINS(resolved, "n_layer = 1");
+  CAI_EXPECT_CONTAINS(resolved, "kind = 'gpt2'");     // a default
+  CAI_EXPECT_CONTAINS(resolved, "warmup_steps = 0");  // a default
 }
 
 TEST(Train, DefaultJob_LearnsBelowStatedLoss) {

@@ -124,6 +124,8 @@ struct Model::Impl {
     ParamSpec* spec = nullptr;
     std::vector<int64_t> shape;
     bool released = false;
+    // Data or .grad point at memory a strategy handed in (replace_*_storage), not the model's.
+    bool foreign_data = false, foreign_grad = false;
     std::shared_ptr<torch::autograd::Node> accumulator;  // keeps the GRAD_READY hook alive
     DescribedShape data_view, grad_view;
   };
@@ -555,11 +557,13 @@ void Model::ReplaceParamStorage(uint32_t index, const cai_tensor& storage) {
     // Views autograd saved in forward share the released storage: refill it, do not swap it.
     torch_compat::RefillStorage(t, view.data_ptr());
     p.released = false;
+    p.foreign_data = true;
     return;
   }
   if (view.scalar_type() != t.scalar_type()) t.mutable_grad().reset();
   t.set_data(view.view(p.shape));
   p.released = false;
+  p.foreign_data = true;
 }
 
 void Model::ReleaseParamStorage(uint32_t index) {
@@ -568,6 +572,7 @@ void Model::ReleaseParamStorage(uint32_t index) {
   if (p.released) return;
   torch_compat::ReleaseStorage(p.spec->tensor);
   p.released = true;
+  p.foreign_data = false;
 }
 
 cai_tensor Model::MaterializeParamStorage(uint32_t index) {
@@ -577,6 +582,7 @@ cai_tensor Model::MaterializeParamStorage(uint32_t index) {
   if (p.released) {
     torch_compat::MaterializeStorage(t, (t.storage_offset() + t.numel()) * t.element_size());
     p.released = false;
+    p.foreign_data = false;
   }
   return DescribeTensor(t, p.data_view);
 }
@@ -605,11 +611,26 @@ void Model::ReplaceGradStorage(uint32_t index, const cai_tensor& storage) {
     grad.zero_();
   }
   t.mutable_grad() = grad;
+  p.foreign_grad = true;
 }
 
 void Model::ReleaseGrad(uint32_t index) {
   impl_->CheckParam(index, "release_grad");
   impl_->T(index).mutable_grad().reset();
+  impl_->params[index].foreign_grad = false;
+}
+
+void Model::DetachStrategy() {
+  impl_->hooks.clear();
+  for (uint32_t i = 0; i < impl_->params.size(); ++i) {
+    Impl::Param& p = impl_->params[i];
+    if (p.foreign_grad) impl_->T(i).mutable_grad().reset();
+    if (p.foreign_data && !p.released) {
+      torch_compat::ReleaseStorage(p.spec->tensor);
+      p.released = true;
+    }
+    p.foreign_data = p.foreign_grad = false;
+  }
 }
 
 void Model::ZeroGrad(bool set_to_none) {
@@ -618,6 +639,7 @@ void Model::ZeroGrad(bool set_to_none) {
     if (!grad.defined()) continue;
     if (set_to_none) {
       grad.reset();
+      impl_->params[i].foreign_grad = false;
     } else {
       grad.zero_();
     }

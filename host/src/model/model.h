@@ -126,6 +126,11 @@ class Model {
   void ReplaceGradStorage(uint32_t index, const cai_tensor& storage);
   void ReleaseGrad(uint32_t index);
   void ZeroGrad(bool set_to_none);
+  // After the strategy that drove the model is destroyed: drops its hooks and every parameter
+  // data or gradient that points at memory it handed in (replace_*_storage), so nothing dangles
+  // into memory it freed. Those parameters are left released (zero bytes): the model runs
+  // again only once a new strategy gives them storage.
+  void DetachStrategy();
 
   // `unit` -1 = every unit (unit hooks), `param` -1 = every parameter (GRAD_READY).
   uint64_t AddHook(cai_hook_kind kind, int32_t unit, int32_t param, Hook fn);

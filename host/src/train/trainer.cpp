@@ -663,6 +663,8 @@ int Run::Execute() {
   WriteSummary(std::chrono::duration<double>(Clock::now() - wall_start).count());
   strategy_.api->destroy(instance_);
   instance_ = nullptr;
+  // The strategy's memory is gone: the model must not keep pointing into it.
+  model_->DetachStrategy();
   if (env_.rank == 0) {
     std::cout << "cai: trained " << steps_ << " steps with '" << strategy_.name << "' on "
               << env_.world_size << " rank(s); final loss " << std::fixed << std::setprecision(4)

@@ -198,7 +198,7 @@ TEST(PluginLoading, InTreePlugins_ManifestMinorIsWhatTheLibraryNeeds) {
   int checked = 0;
   for (const auto& entry : fs::directory_iterator(BUILD_PLUGIN_DIR)) {
     if (entry.path().extension() != ".toml") continue;
-    Result check = Cai("plugins check " + entry.path().string());
+    Result check = Cai("plugins check --structure-only " + entry.path().string());
     EXPECT_EQ(check.code, 0) << check.output;
     ExpectContains(check.output, "[ PASS ] loads, negotiates the ABI and returns a valid table");
     ++checked;

@@ -438,6 +438,45 @@ TEST(Storage, ReplacedGradStorage_ReceivesAndAccumulatesGradients) {
   EXPECT_THROW(m->ParamGrad(0), Error);
 }
 
+// After a strategy is destroyed nothing of the model may point into the memory it handed in:
+// parameters it re-homed are released, gradients it re-homed dropped, its hooks gone; the
+// parameters it never touched keep their values.
+TEST(Storage, DetachStrategy_DropsForeignStorageAndHooks) {
+  auto m = MakeZooModel(Gpt2Config(), 43);
+  std::vector<float> flat(TotalNumel(*m)), grads(TotalNumel(*m));
+  std::vector<FlatView> views(m->NumParams()), grad_views(m->NumParams());
+  const std::vector<float> kept = Floats(m->ParamData(1));
+  int64_t offset = 0;
+  for (uint32_t i = 0; i < m->NumParams(); ++i) {
+    const int64_t n = m->ParamInfo(i).numel;
+    if (i != 1) {
+      const std::vector<float> w = Floats(m->ParamData(i));
+      std::copy(w.begin(), w.end(), flat.begin() + offset);
+      m->ReplaceParamStorage(i, views[i].desc(flat.data() + offset, n));
+    }
+    m->ReplaceGradStorage(i, grad_views[i].desc(grads.data() + offset, n));
+    offset += n;
+  }
+  int fired = 0;
+  m->AddHook(CAI_HOOK_PRE_FORWARD, -1, -1, [&](const cai_hook_event&) { ++fired; });
+  m->DetachStrategy();
+  for (uint32_t i = 0; i < m->NumParams(); ++i) {
+    EXPECT_EQ(m->ParamInfo(i).flags & CAI_PARAM_RELEASED, i == 1 ? 0u : CAI_PARAM_RELEASED) << i;
+    EXPECT_THROW(m->ParamGrad(i), Error) << i;
+  }
+  EXPECT_EQ(Floats(m->ParamData(1)), kept);
+  // Given storage again, the model trains, and the removed hook no longer fires.
+  offset = 0;
+  for (uint32_t i = 0; i < m->NumParams(); ++i) {
+    const int64_t n = m->ParamInfo(i).numel;
+    if (i != 1) m->ReplaceParamStorage(i, views[i].desc(flat.data() + offset, n));
+    offset += n;
+  }
+  Batch batch;
+  EXPECT_TRUE(std::isfinite(m->ForwardBackward(batch.tokens.desc(), batch.targets.desc(), true)));
+  EXPECT_EQ(fired, 0);
+}
+
 TEST(Storage, LossScaleAndWeight_ScaleGradientsNotLoss) {
   auto plain = MakeZooModel(Gpt2Config(), 51), scaled = MakeZooModel(Gpt2Config(), 51);
   Batch batch;

@@ -46,8 +46,9 @@
 // backward begins, "post" after its gradient reduction (so its memory is freed first). At most
 // prefetch_limit all-gathers are in flight ahead of the running unit.
 //
-// Why SUM: the host weights each rank's loss by rows_on_rank / global_batch / accumulation,
-// so the global-mean gradient is the sum of the local ones (exact with uneven batches too).
+// Why SUM: the host weights each micro-batch's loss by its rows / the step's global batch
+// (cai_micro_batch.loss_weight), so the global-mean gradient is the sum of the local ones
+// (exact with uneven batches too).
 //
 // step: one SUM all-reduce of [squared norm of the gradient shards (replica 0 only: the other
 // replicas hold copies), fp16 overflow flag, per-parameter "got a gradient here"]; the loss

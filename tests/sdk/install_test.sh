@@ -29,7 +29,7 @@ for name in hello_strategy local_sgd; do
       fail "installed example's $name/$f differs"
   done
 done
-for f in abi-contract.md manifest.md checkpoint-layout.md README.md; do
+for f in abi-contract.md manifest.md checkpoint-layout.md writing-a-strategy.md README.md; do
   [[ -s $doc/docs/$f ]] || fail "cai-dev lacks docs/$f"
 done
 echo "ok: docs/, DESIGN.md and examples/{hello_strategy,local_sgd} installed under share/doc/cai-dev"

@@ -67,9 +67,12 @@ typedef struct cai_param_info {
   cai_dtype dtype; /* current storage dtype */
   uint64_t flags;  /* CAI_PARAM_* */
   uint32_t group;  /* optimizer parameter group */
-  int32_t tied_to; /* index of the parameter this one shares storage with, or -1;
-                      a tied parameter appears once (the lowest index owns it) */
-  int32_t unit;    /* index of the unit that holds it, or -1 */
+  /* The parameter whose storage this one shares, or -1. ABI 1.x hosts list a shared tensor
+   * once, under its first name, so it is -1 for every parameter they report; a strategy
+   * still treats tied_to >= 0 as an alias of that owner: no storage, gradient, optimizer
+   * state or checkpoint entry of its own. */
+  int32_t tied_to;
+  int32_t unit; /* index of the unit that holds it, or -1 */
   cai_param_role role;
   int32_t parallel_dim; /* dimension tensor parallelism splits (-1 = replicate) */
 } cai_param_info;
@@ -127,16 +130,19 @@ typedef struct cai_hook_args {
 
 /* One micro-batch through the whole model: tokens [batch, seq] int64 and targets [batch, seq]
  * int64 (-1 = ignored) in host memory; the mean cross-entropy loss is returned and, when
- * `backward` is set, (loss * loss_scale) is back-propagated, accumulating into gradients. */
+ * `backward` is set, (loss * loss_weight * loss_scale) is back-propagated, accumulating into
+ * gradients. */
 typedef struct cai_forward_backward_args {
   size_t struct_size;
   cai_extension_base* extension_start;
   const cai_tensor* tokens;
   const cai_tensor* targets;
   bool backward;
-  double loss_scale;  /* 0 means 1 */
-  double loss_weight; /* multiplies the loss before backward (1/accumulation); 0 means 1 */
-  double* loss;       /* out: unscaled, unweighted mean loss */
+  double loss_scale; /* 0 means 1 */
+  /* Multiplies the loss before backward; 0 means 1. Pass cai_micro_batch.loss_weight: the
+   * micro-batch's rows / the step's global batch (gradients are summed over ranks). */
+  double loss_weight;
+  double* loss; /* out: unscaled, unweighted mean loss */
 } cai_forward_backward_args;
 #define CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_forward_backward_args, loss)
 

@@ -1,8 +1,9 @@
 /* cai ABI v1 — the host table a plugin receives, the strategy table it returns, and the entry
  * point that exchanges them.
  *
- * Lifecycle: the host dlopen()s the plugin (RTLD_NOW | RTLD_LOCAL, absolute path, never
- * unloaded), calls cai_plugin_init_v1 exactly once, single-threaded, then for each job:
+ * Lifecycle: the host dlopen()s the plugin (RTLD_NOW | RTLD_LOCAL, from the descriptor it
+ * trust-checked and hashed, never unloaded), calls cai_plugin_init_v1 exactly once,
+ * single-threaded, then for each job:
  * create → boost → { forward_backward (or execute_pipeline) … → step → zero_grad } … →
  * save/load as asked → destroy. The plugin's table mirrors ColossalAI's Booster plugin.
  */
@@ -137,8 +138,12 @@ typedef struct cai_micro_batch {
   cai_extension_base* extension_start;
   const cai_tensor* tokens;  /* [batch, seq] int64, host memory */
   const cai_tensor* targets; /* [batch, seq] int64, -1 = ignored */
-  double loss_weight;        /* this micro-batch's share of the step's mean (1/accumulation) */
-  double* loss;              /* out: this rank's mean loss on the micro-batch */
+  /* This micro-batch's rows / the step's global batch. Summed over every rank's micro-batches
+   * of a step it is 1, over one rank's it is the rank's share; gradients are summed over
+   * ranks, never averaged (docs/abi-contract.md, "Micro-batches and loss_weight"). 1 in
+   * evaluate, where it has no effect. */
+  double loss_weight;
+  double* loss; /* out: this rank's unweighted mean loss on the micro-batch */
 } cai_micro_batch;
 #define CAI_MICRO_BATCH_STRUCT_SIZE CAI_STRUCT_SIZE(cai_micro_batch, loss)
 
@@ -154,10 +159,16 @@ typedef struct cai_pipeline_args {
 typedef struct cai_step_result {
   size_t struct_size;
   cai_extension_base* extension_start;
-  bool skipped;      /* overflow: parameters unchanged on every rank */
-  double grad_norm;  /* global gradient norm before clipping (unscaled) */
+  bool skipped; /* overflow: parameters, state and step count unchanged on every rank */
+  /* L2 norm of the global-batch gradient over all trainable parameters, unscaled, before
+   * clipping; the same on every rank. +inf on a skipped step; NaN where the ranks apply no
+   * single global gradient (local SGD). */
+  double grad_norm;
   double loss_scale; /* scale in force for the next step (1 without fp16) */
-  double lr;         /* learning rate applied (group 0) */
+  /* Group 0's rate at the step this call made, lr_at(group 0, steps after the call); on a
+   * skipped step the rate it would have applied, which the next step applies
+   * (docs/abi-contract.md, "cai_step_result"). */
+  double lr;
 } cai_step_result;
 #define CAI_STEP_RESULT_STRUCT_SIZE CAI_STRUCT_SIZE(cai_step_result, lr)
 

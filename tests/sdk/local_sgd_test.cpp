@@ -28,7 +28,7 @@ TrainRun Train(const std::string& name, int nproc, std::vector<std::string> sets
 }
 
 // Plain SGD (scale-sensitive) on 2 and 3 ranks, 3 splitting 4 rows unevenly, and AdamW with
-// clipping on 2.
+// clipping on 2, also with an unused and frozen parameters.
 TEST(LocalSgd, SyncEveryStep_IsDdpExactly) {
   for (int nproc : {2, 3}) {
     SCOPED_TRACE(std::to_string(nproc) + " ranks");
@@ -40,6 +40,10 @@ TEST(LocalSgd, SyncEveryStep_IsDdpExactly) {
     ExpectMatches(ref, Train("sgd_ddp" + n, nproc, sets, "ddp"), 1e-5);
   }
   ExpectMatches(Train("adamw_ref", 1, {}, "none"), Train("adamw_local", 2, {}, "local_sgd"), 1e-5);
+  // A parameter no rank gives a gradient is left alone (torch.optim), frozen ones are kept.
+  const std::vector<std::string> odd = {"model.unused_parameter=true",
+                                        "model.freeze=blocks.0.attn.*"};
+  ExpectMatches(Train("odd_ref", 1, odd, "none"), Train("odd_local", 2, odd, "local_sgd"), 1e-5);
 }
 
 TEST(LocalSgd, SyncEveryTwo_OddStepsAreLocal) {

@@ -44,6 +44,7 @@ class LocalSgd {
     const bool sync = (epilogue_->step() + 1) % every_ == 0;
     if (sync && drifted_) Average();
     if (sync) sdk::RunCollective(CAI_COMM_ALL_REDUCE, nullptr, replica_->grads(), false);
+    if (sync) replica_->AgreeOnUsed();  // torch.optim: update what got a gradient anywhere
     sdk::StepSums sums{replica_->GradSumSquares(), false, {}};
     if (sync) {
       const sdk::StepDecision d = epilogue_->Decide(sums, result, nullptr, /*agree=*/false);

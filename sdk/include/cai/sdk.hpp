@@ -69,6 +69,14 @@ inline const char*& PluginNameSlot() {
   return name;
 }
 
+// The directory of the plugin's manifest, set by the entry point: where files shipped beside
+// the plugin are (the library itself is loaded from a descriptor, so dladdr and $ORIGIN do not
+// name it).
+inline std::string& PluginDirSlot() {
+  static std::string dir;
+  return dir;
+}
+
 class Error : public std::runtime_error {
  public:
   Error(cai_status_code code, const std::string& message)
@@ -652,6 +660,7 @@ cai_status* Init(cai_plugin_init_args* args) noexcept {
   HostSlot() = host;
   PluginNameSlot() = T::kName;
   return Guard([&] {
+    PluginDirSlot() = args->plugin_dir ? args->plugin_dir : "";
     static const cai_plugin_api table = MakeTable<T>();
     args->plugin_abi_minor = CAI_ABI_MINOR;
     args->plugin_min_host_minor = CAI_TARGET_ABI_MINOR;

@@ -294,10 +294,12 @@ inline void LoadFlatReplica(cai_model* model, const cai_checkpoint_args& args,
 // A whole fp32 replica of the model's trainable parameters in flat buffers the model works on
 // directly: the parameters are views of `weights`, their .grad views of `grads`, plus the
 // optimizer state. What a replicated strategy (plain data parallelism, local SGD) keeps.
+// As in torch.optim, a parameter that got no gradient since the last ZeroGrad is not updated
+// (a GRAD_READY hook records which did; AgreeOnUsed makes that "on any rank of the group").
 // Memory: (4 + 4 + 4k)Ψ for Ψ trainable elements and k optimizer state slots.
+// Not movable: the hook holds its address.
 class FlatReplica {
  public:
-  FlatReplica() = default;
   FlatReplica(cai_model* model, cai_optimizer* optimizer) : model_(model) {
     RequireFp32Params(model, PluginNameSlot());
     for (uint32_t p : OwnedParams(model, /*trainable=*/true)) layout_.Add(model, p);
@@ -308,7 +310,12 @@ class FlatReplica {
     PointParamsAt(model, layout_, weights_, kFloat32);
     PointGradsAt(model, layout_, grads_, kFloat32);
     optim_ = FlatOptimizer(optimizer, layout_.numel(), CAI_MEM_DEVICE, "replica.optim_state");
+    used_.assign(layout_.size(), 0);
+    hook_id_ = OnEveryGradReady(model, &FlatReplica::OnGradReady, this);
   }
+  FlatReplica(const FlatReplica&) = delete;
+  FlatReplica& operator=(const FlatReplica&) = delete;
+  ~FlatReplica() { Host().status_destroy(Host().model->remove_hook(model_, hook_id_)); }
 
   const FlatLayout& layout() const { return layout_; }
   cai_tensor weights() const { return FlatView(weights_, kFloat32, 0, &numel_); }
@@ -320,15 +327,34 @@ class FlatReplica {
     RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, grads(), 0, &sq);
     return sq;
   }
-  // The fused update of every parameter at optimizer step `step`, gradients times grad_scale.
+  // Whether each slot got a gradient since ZeroGrad: on this rank, or, after AgreeOnUsed, on
+  // any rank of `group` (collective).
+  const std::vector<uint8_t>& used() const { return used_; }
+  void AgreeOnUsed(cai_comm_group* group = nullptr) {
+    std::vector<double> flags(used_.begin(), used_.end());
+    if (flags.empty() || Host().comm->size(group) == 1) return;
+    constexpr cai_dtype kF64{CAI_DTYPE_FLOAT, 64, 1};
+    Buffer wire = AllocFlat(CAI_MEM_DEVICE, flags.size(), kF64, "replica.used");
+    Check(Host().mempool->copy(wire.data(), flags.data(), wire.size(), nullptr));
+    int64_t n = static_cast<int64_t>(flags.size());
+    RunCollective(CAI_COMM_ALL_REDUCE, nullptr, FlatView(wire, kF64, 0, &n), false, CAI_REDUCE_MAX,
+                  group);
+    Check(Host().mempool->copy(flags.data(), wire.data(), wire.size(), nullptr));
+    for (size_t i = 0; i < used_.size(); ++i) used_[i] = flags[i] > 0;
+  }
+  // The fused update at optimizer step `step` of every used parameter, gradients times
+  // grad_scale.
   void Update(int64_t step, double grad_scale) const {
-    ForEachGroupRun(layout_, {}, [&](size_t at, size_t count, uint32_t group) {
+    ForEachGroupRun(layout_, used_, [&](size_t at, size_t count, uint32_t group) {
       optim_.Update({group, at, count, static_cast<float*>(weights_.data()) + at,
                      static_cast<float*>(grads_.data()) + at},
                     step, grad_scale);
     });
   }
-  void ZeroGrad() const { RunKernel(CAI_KERNEL_FILL, nullptr, grads(), 0); }
+  void ZeroGrad() {
+    RunKernel(CAI_KERNEL_FILL, nullptr, grads(), 0);
+    std::fill(used_.begin(), used_.end(), 0);
+  }
   // The canonical layout; save on one rank, load on every rank.
   void Save(const cai_checkpoint_args& args) const {
     SaveFlatReplica(model_, args, layout_, weights_, optim_);
@@ -343,11 +369,20 @@ class FlatReplica {
   }
 
  private:
+  static cai_status* OnGradReady(void* self, const cai_hook_event* event) {
+    auto* r = static_cast<FlatReplica*>(self);
+    const int32_t slot = event->param < 0 ? -1 : r->layout_.SlotOf(event->param);
+    if (slot >= 0) r->used_[slot] = 1;
+    return nullptr;
+  }
+
   cai_model* model_ = nullptr;
   FlatLayout layout_;
   int64_t numel_ = 0;
   Buffer weights_, grads_;
   FlatOptimizer optim_;
+  std::vector<uint8_t> used_;
+  uint64_t hook_id_ = 0;
 };
 
 }  // namespace cai::sdk

@@ -24,7 +24,6 @@
 // Per-rank memory (Ψ trainable elements, k optimizer state slots, e = 4 fp32 / 2 bf16,fp16):
 //   parameters eΨ + gradients eΨ (+ eΨ of buckets without gradient_as_bucket_view)
 //   + fp32 masters 4Ψ under bf16/fp16 + optimizer state 4kΨ.
-#include <algorithm>
 #include <cai/sdk.hpp>
 #include <cai/sdk/bucket_reducer.hpp>
 #include <cai/sdk/collectives.hpp>
@@ -36,11 +35,8 @@
 
 namespace {
 
-using cai::sdk::Check;
 using cai::sdk::Error;
-using cai::sdk::FlatView;
 using cai::sdk::Host;
-using cai::sdk::kFloat32;
 
 class Ddp {
  public:
@@ -92,47 +88,23 @@ class Ddp {
   void Boost(const cai_boost_args& args) {
     if (model_) throw Error(CAI_FAILED_PRECONDITION, "ddp: boost was already called");
     model_ = args.model;
-    precision_ = args.precision;
-    compute_dtype_ = cai::sdk::ComputeDtype(precision_);
     cai::sdk::RequireFp32Params(model_, kName);
-    std::vector<uint32_t> ready_order = cai::sdk::OwnedParams(model_, /*trainable=*/true);
-    if (ready_order.empty()) {
+    const std::vector<uint32_t> params = cai::sdk::OwnedParams(model_, /*trainable=*/true);
+    if (params.empty()) {
       throw Error(CAI_FAILED_PRECONDITION,
                   "ddp: the model has no trainable parameters; unfreeze some (model.freeze)");
     }
-    std::reverse(ready_order.begin(), ready_order.end());  // backward finishes the last first
-    reducer_options_.grad_dtype = compute_dtype_;
-    reducer_.emplace(model_, ready_order, reducer_options_);
-    const cai::sdk::FlatLayout& layout = reducer_->layout();
-
-    // fp32 weights in bucket layout (the masters under mixed precision), filled from the
-    // model and broadcast from rank 0 in one collective; frozen parameters and buffers too.
-    const bool mixed = precision_ != CAI_PRECISION_FP32;
-    weights_ = cai::sdk::AllocFlat(CAI_MEM_DEVICE, layout.numel(), kFloat32,
-                                   mixed ? "ddp.master" : "ddp.param");
-    cai::sdk::CopyParamsInto(model_, layout, weights_, kFloat32);
-    int64_t all = static_cast<int64_t>(layout.numel());
-    cai_tensor flat = FlatView(weights_, kFloat32, 0, &all);
-    if (world_size_ > 1) cai::sdk::Broadcast(flat);
+    // Rank 0's trainable weights (one collective), frozen parameters and buffers.
+    replica_.emplace(model_, args.optimizer, params, args.precision, reducer_options_,
+                     /*broadcast=*/true);
     cai::sdk::BroadcastParams(model_, cai::sdk::OwnedParams(model_, false));
     cai::sdk::BroadcastBuffers(model_);
-
-    // The model's parameters become views of the flat buffer (fp32), or of a 16-bit copy of
-    // it that the fused update rewrites after each step (bf16/fp16).
-    if (mixed) {
-      Check(Host().model->set_compute_dtype(model_, compute_dtype_));
-      lowp_ = cai::sdk::AllocFlat(CAI_MEM_DEVICE, layout.numel(), compute_dtype_, "ddp.param");
-      cai::sdk::RunKernel(CAI_KERNEL_COPY, &flat, FlatView(lowp_, compute_dtype_, 0, &all));
-    }
-    cai::sdk::PointParamsAt(model_, layout, mixed ? lowp_ : weights_, compute_dtype_);
-    reducer_->Start();
-    optim_ =
-        cai::sdk::FlatOptimizer(args.optimizer, layout.numel(), CAI_MEM_DEVICE, "ddp.optim_state");
     epilogue_.emplace(args.optimizer);
-    if (precision_ == CAI_PRECISION_FP16) epilogue_->EnableLossScaling(scaler_config_);
+    if (args.precision == CAI_PRECISION_FP16) epilogue_->EnableLossScaling(scaler_config_);
+    const cai::sdk::FlatLayout& layout = replica_->layout();
     cai::sdk::Log(CAI_LOG_INFO, "ddp: " + std::to_string(layout.size()) + " trainable tensors, " +
                                     std::to_string(layout.numel()) + " elements in " +
-                                    reducer_->DescribeBuckets() + " on " +
+                                    replica_->reducer().DescribeBuckets() + " on " +
                                     std::to_string(world_size_) + " ranks");
   }
 
@@ -141,10 +113,11 @@ class Ddp {
   void ForwardBackward(const cai_micro_batch& batch) {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "ddp: forward_backward before boost");
     if (broadcast_buffers_) cai::sdk::BroadcastBuffers(model_);
-    reducer_->ExpectUnreduced();
-    if (!no_sync_) reducer_->Begin();
+    cai::sdk::BucketReducer& reducer = replica_->reducer();
+    reducer.ExpectUnreduced();
+    if (!no_sync_) reducer.Begin();
     cai::sdk::RunMicroBatch(model_, batch, /*backward=*/true, epilogue_->loss_scale());
-    if (!no_sync_) reducer_->Finish();
+    if (!no_sync_) reducer.Finish();
   }
 
   // Forward only. Buffers follow rank 0 first, as PyTorch DDP syncs them before any forward.
@@ -158,61 +131,34 @@ class Ddp {
   // norm and the overflow verdict need no further collective.
   void Step(cai_step_result& result) {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "ddp: step before boost");
-    reducer_->EnsureReduced();
-    cai::sdk::StepSums sums;
-    sums.sum_squares = reducer_->SumSquares();
-    sums.overflow = epilogue_->loss_scaling() && !reducer_->AllFinite();
-    const cai::sdk::StepDecision d = epilogue_->Decide(sums, result, nullptr, /*agree=*/false);
-    if (d.skipped) return;
-    // One fused update per run of consecutive slots of one group that the step updates.
-    const size_t e = cai::sdk::ElementSize(compute_dtype_);
-    cai::sdk::ForEachGroupRun(
-        reducer_->layout(), reducer_->updated(), [&](size_t at, size_t count, uint32_t group) {
-          cai::sdk::FlatOptimizer::Piece piece;
-          piece.group = group;
-          piece.offset = at;
-          piece.count = count;
-          piece.param = static_cast<float*>(weights_.data()) + at;
-          piece.grad = static_cast<const char*>(reducer_->grads().data()) + at * e;
-          piece.grad_dtype = compute_dtype_;
-          if (lowp_.get()) {
-            piece.lowp = static_cast<char*>(lowp_.data()) + at * e;
-            piece.lowp_dtype = compute_dtype_;
-          }
-          optim_.Update(piece, d.step, d.grad_scale);
-        });
+    cai::sdk::StepSums sums = replica_->LocalSums(Host().model->num_params(model_),
+                                                  epilogue_->loss_scaling(), /*contribute=*/true);
+    replica_->Update(epilogue_->Decide(sums, result, nullptr, /*agree=*/false));
   }
 
   void ZeroGrad() {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "ddp: zero_grad before boost");
-    reducer_->Reset();
+    replica_->reducer().Reset();
   }
 
   // The canonical full layout (what the single-process reference writes); rank 0 writes,
   // every rank reads the same tensors.
   void Save(const cai_checkpoint_args& args) {
     if (Host().comm->rank(nullptr) != 0) return;
-    cai::sdk::SaveFlatReplica(model_, args, reducer_->layout(), weights_, optim_);
+    replica_->Save(args);
+    if (args.model) cai::sdk::SaveFrozenParams(model_, args.checkpoint);
     if (args.optimizer) epilogue_->Save(args.checkpoint, kName);
   }
 
   void Load(const cai_checkpoint_args& args) {
-    cai::sdk::LoadFlatReplica(model_, args, reducer_->layout(), weights_, optim_);
-    if (args.model && lowp_.get()) {  // the 16-bit parameters follow the masters
-      int64_t all = static_cast<int64_t>(reducer_->layout().numel());
-      cai_tensor master = FlatView(weights_, kFloat32, 0, &all);
-      cai::sdk::RunKernel(CAI_KERNEL_COPY, &master, FlatView(lowp_, compute_dtype_, 0, &all));
-    }
+    replica_->Load(args);
+    if (args.model) cai::sdk::LoadFrozenParams(model_, args.checkpoint);
     if (args.optimizer) epilogue_->Load(args.checkpoint, kName);
   }
 
   void Stats(cai_strategy_stats& stats) {
-    stats.param_bytes =
-        (lowp_.get() ? lowp_.size() : weights_.size()) + cai::sdk::FrozenParamBytes(model_);
-    stats.grad_bytes = reducer_->grad_bytes();
-    stats.optimizer_state_bytes = optim_.bytes();
-    stats.master_bytes = lowp_.get() ? weights_.size() : 0;
-    stats.overlap_ratio = reducer_->overlap_ratio();
+    stats.param_bytes = cai::sdk::FrozenParamBytes(model_);
+    replica_->AddStats(stats);
   }
 
   static void EstimateMemory(const cai_memory_estimate_args& args, cai_memory_estimate& out) {
@@ -241,12 +187,7 @@ class Ddp {
   cai_loss_scaler_config scaler_config_{};
 
   cai_model* model_ = nullptr;
-  cai_precision precision_ = CAI_PRECISION_FP32;
-  cai_dtype compute_dtype_ = kFloat32;
-  std::optional<cai::sdk::BucketReducer> reducer_;  // the buckets; their layout is ours
-  cai::sdk::Buffer weights_;  // fp32 parameters (masters under bf16/fp16), bucket layout
-  cai::sdk::Buffer lowp_;     // bf16/fp16 parameters the model computes with
-  cai::sdk::FlatOptimizer optim_;
+  std::optional<cai::sdk::DataParallelReplica> replica_;
   std::optional<cai::sdk::StepEpilogue> epilogue_;
   bool no_sync_ = false;
 };

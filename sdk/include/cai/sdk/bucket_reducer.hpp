@@ -30,6 +30,7 @@
 
 #include "cai/sdk.hpp"
 #include "cai/sdk/flat.hpp"
+#include "cai/sdk/step.hpp"
 
 namespace cai::sdk {
 
@@ -224,6 +225,20 @@ class BucketReducer {
     }
     return total;
   }
+  // Σ g² of the reduced gradients of the given model parameters (those this reducer holds): what
+  // to take off SumSquares() for parameters another rank counts (a pipeline's tied embedding).
+  double SumSquaresOf(std::span<const uint32_t> params) const {
+    double total = 0;
+    for (uint32_t p : params) {
+      const int32_t slot = layout_.SlotOf(p);
+      if (slot < 0) continue;
+      double sq = 0;
+      RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, layout_.View(grads_, options_.grad_dtype, slot), 0,
+                &sq);
+      total += sq;
+    }
+    return total;
+  }
   // Whether every reduced gradient is finite (an inf/NaN on any rank reaches every rank through
   // the all-reduce).
   bool AllFinite() const {
@@ -367,6 +382,150 @@ class BucketReducer {
   bool settled_ = false;
   std::vector<size_t> static_unused_;
   double hidden_s_ = 0, exposed_s_ = 0;
+};
+
+// Data parallelism over a group with a full replica per rank, as PyTorch DDP: the given
+// trainable parameters re-homed into fp32 flat weights in bucket order (the masters under
+// bf16/fp16, with a 16-bit copy the model computes on and the fused update rewrites), their
+// gradients reduced by a BucketReducer, the optimizer state beside them. What libcai_ddp is,
+// and what a pipeline stage runs over its data-parallel group.
+// Memory (Ψ the parameters given, k state slots, e = 4 fp32 / 2 bf16,fp16): weights 4Ψ
+// (+ eΨ 16-bit copy), buckets eΨ (+ the .grad tensors without gradient_as_bucket_view),
+// optimizer state 4kΨ.
+class DataParallelReplica {
+ public:
+  // `params`: trainable parameters that own storage, in registration order. With
+  // `broadcast`, group rank 0's values of them are broadcast first (one collective). Casts the
+  // model to the compute dtype under bf16/fp16.
+  DataParallelReplica(cai_model* model, cai_optimizer* optimizer, std::span<const uint32_t> params,
+                      cai_precision precision, BucketReducer::Options options, bool broadcast)
+      : compute_dtype_(ComputeDtype(precision)) {
+    std::vector<uint32_t> ready_order(params.rbegin(), params.rend());  // last finishes first
+    options.grad_dtype = compute_dtype_;
+    group_ = options.group;
+    reducer_.emplace(model, ready_order, options);
+    const FlatLayout& layout = reducer_->layout();
+    const bool mixed = precision != CAI_PRECISION_FP32;
+    weights_ =
+        AllocFlat(CAI_MEM_DEVICE, layout.numel(), kFloat32, mixed ? "ddp.master" : "ddp.param");
+    CopyParamsInto(model, layout, weights_, kFloat32);
+    numel_ = static_cast<int64_t>(layout.numel());
+    const cai_tensor flat = FlatView(weights_, kFloat32, 0, &numel_);
+    if (broadcast && Host().comm->size(group_) > 1) {
+      cai_comm_args args{};
+      args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+      args.group = group_;
+      args.op = CAI_COMM_BROADCAST;
+      args.output = &flat;
+      Check(Host().comm->run(&args, nullptr));
+    }
+    if (mixed) {
+      Check(Host().model->set_compute_dtype(model, compute_dtype_));
+      lowp_ = AllocFlat(CAI_MEM_DEVICE, layout.numel(), compute_dtype_, "ddp.param");
+      RunKernel(CAI_KERNEL_COPY, &flat, FlatView(lowp_, compute_dtype_, 0, &numel_));
+    }
+    PointParamsAt(model, layout, mixed ? lowp_ : weights_, compute_dtype_);
+    reducer_->Start();
+    optim_ = FlatOptimizer(optimizer, layout.numel(), CAI_MEM_DEVICE, "ddp.optim_state");
+  }
+
+  BucketReducer& reducer() { return *reducer_; }
+  const FlatLayout& layout() const { return reducer_->layout(); }
+
+  // This rank's part of the step's agreement: the reduced gradients are the same on every
+  // rank of the group, so Σ g² (less `not_counted`, parameters another rank counts) is
+  // contributed by `contribute` ranks only (group rank 0, when the agreement spans several
+  // groups); overflow under loss scaling; used flags per model parameter.
+  StepSums LocalSums(uint32_t num_params, bool check_overflow, bool contribute,
+                     std::span<const uint32_t> not_counted = {}) {
+    reducer_->EnsureReduced();
+    StepSums sums;
+    if (contribute) sums.sum_squares = reducer_->SumSquares() - reducer_->SumSquaresOf(not_counted);
+    sums.overflow = check_overflow && !reducer_->AllFinite();
+    sums.used.assign(num_params, 0);
+    const FlatLayout& layout = reducer_->layout();
+    for (size_t s = 0; s < layout.size(); ++s) {
+      sums.used[layout[s].param] = reducer_->updated()[s];
+    }
+    return sums;
+  }
+
+  // One fused update per run of consecutive same-group slots the step updates.
+  void Update(const StepDecision& d) {
+    if (d.skipped) return;
+    const size_t e = ElementSize(compute_dtype_);
+    ForEachGroupRun(layout(), reducer_->updated(), [&](size_t at, size_t count, uint32_t group) {
+      FlatOptimizer::Piece piece;
+      piece.group = group;
+      piece.offset = at;
+      piece.count = count;
+      piece.param = static_cast<float*>(weights_.data()) + at;
+      piece.grad = static_cast<const char*>(reducer_->grads().data()) + at * e;
+      piece.grad_dtype = compute_dtype_;
+      if (lowp_.get()) {
+        piece.lowp = static_cast<char*>(lowp_.data()) + at * e;
+        piece.lowp_dtype = compute_dtype_;
+      }
+      optim_.Update(piece, d.step, d.grad_scale);
+    });
+  }
+
+  // The canonical layout of the parameters `writes` accepts (all by default); call on the
+  // ranks that write (one per group: the others hold the same values).
+  template <class Writes = bool (*)(uint32_t)>
+  void Save(
+      const cai_checkpoint_args& args, Writes writes = [](uint32_t) { return true; }) const {
+    const FlatLayout& layout = reducer_->layout();
+    for (size_t i = 0; i < layout.size(); ++i) {
+      if (!writes(layout[i].param)) continue;
+      if (args.model) {
+        WriteAsFp32(args.checkpoint, "model/" + layout[i].name, layout.View(weights_, kFloat32, i),
+                    layout[i].shape);
+      }
+      for (uint32_t k = 0; args.optimizer && k < optim_.SlotsOf(layout[i].group); ++k) {
+        cai_tensor t = optim_.View(k, layout[i].offset, &layout[i].numel);
+        Check(Host().checkpoint->write_tensor(args.checkpoint,
+                                              OptimStateName(layout[i].name, k).c_str(), &t));
+      }
+    }
+  }
+  // Reads the canonical layout of every parameter it holds, on every rank.
+  void Load(const cai_checkpoint_args& args) {
+    const FlatLayout& layout = reducer_->layout();
+    for (size_t i = 0; i < layout.size(); ++i) {
+      if (args.model) {
+        cai_tensor t = layout.View(weights_, kFloat32, i);
+        Check(Host().checkpoint->read_tensor(args.checkpoint, ("model/" + layout[i].name).c_str(),
+                                             0, 0, &t));
+      }
+      for (uint32_t k = 0; args.optimizer && k < optim_.SlotsOf(layout[i].group); ++k) {
+        cai_tensor t = optim_.View(k, layout[i].offset, &layout[i].numel);
+        Check(Host().checkpoint->read_tensor(args.checkpoint,
+                                             OptimStateName(layout[i].name, k).c_str(), 0, 0, &t));
+      }
+    }
+    if (args.model && lowp_.get()) {  // the 16-bit parameters follow the masters
+      const cai_tensor master = FlatView(weights_, kFloat32, 0, &numel_);
+      RunKernel(CAI_KERNEL_COPY, &master, FlatView(lowp_, compute_dtype_, 0, &numel_));
+    }
+  }
+
+  void AddStats(cai_strategy_stats& stats) const {
+    stats.param_bytes += lowp_.get() ? lowp_.size() : weights_.size();
+    stats.grad_bytes += reducer_->grad_bytes();
+    stats.optimizer_state_bytes += optim_.bytes();
+    stats.master_bytes += lowp_.get() ? weights_.size() : 0;
+    stats.overlap_ratio = reducer_->overlap_ratio();
+  }
+
+ private:
+  cai_dtype compute_dtype_;
+  cai_comm_group* group_ = nullptr;
+  std::optional<BucketReducer> reducer_;
+  int64_t numel_ = 0;
+  Buffer weights_;  // fp32 parameters (masters under bf16/fp16), bucket layout
+  Buffer lowp_;     // bf16/fp16 parameters the model computes with
+  FlatOptimizer optim_;
 };
 
 }  // namespace cai::sdk

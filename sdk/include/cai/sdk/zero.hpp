@@ -205,6 +205,22 @@ class ZeroOptimizer {
     return sums;
   }
 
+  // Σ g² of this rank's pieces of the given model parameters' reduced gradients: what to take
+  // off LocalSums' for parameters another rank counts (a pipeline's tied embedding). Call after
+  // LocalSums.
+  double SumSquaresOf(std::span<const uint32_t> params) const {
+    double total = 0;
+    for (const Segment& g : segments_) {
+      if (std::find(params.begin(), params.end(), layout_[g.slot].param) == params.end()) continue;
+      int64_t n = static_cast<int64_t>(g.numel);
+      double sq = 0;
+      RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr,
+                FlatView(grad_shard_, shard_grad_dtype_, g.shard_offset, &n), 0, &sq);
+      total += sq;
+    }
+    return total;
+  }
+
   // Updates this rank's chunks as decided (`used`: the agreed flags of LocalSums; a
   // parameter no rank produced a gradient for is not updated, as in torch.optim) and
   // all-gathers the buckets.
@@ -240,21 +256,27 @@ class ZeroOptimizer {
   // The canonical full layout, so a checkpoint saved on N ranks loads on M and under any
   // strategy: "model/<name>" fp32 in the parameter's shape and "optim/<name>/<slot>" fp32
   // flat. Sharded values are all-gathered one bucket at a time; the ranks with `writer` set
-  // write them. Collective over the group.
-  void Save(const cai_checkpoint_args& args, bool writer) {
+  // write those of the parameters `writes` accepts (all by default). Collective over the group.
+  template <class Writes = bool (*)(uint32_t)>
+  void Save(
+      const cai_checkpoint_args& args, bool writer, Writes writes = [](uint32_t) { return true; }) {
     WaitGathers();
     if (args.model) {
       if (master_.get()) {
         ForEachGathered(master_, [&](const Buffer& full, size_t b) {
           for (size_t s = buckets_[b].first_slot; s < buckets_[b].end_slot && writer; ++s) {
-            WriteModelTensor(args.checkpoint, full, kFloat32, buckets_[b].offset, s);
+            if (writes(layout_[s].param)) {
+              WriteModelTensor(args.checkpoint, full, kFloat32, buckets_[b].offset, s);
+            }
           }
         });
       } else if (writer) {
         // Without masters the full parameters are the weights (fp32, or the 16-bit values
         // master_weights = false trains).
         for (size_t s = 0; s < layout_.size(); ++s) {
-          WriteModelTensor(args.checkpoint, params_, compute_dtype_, 0, s);
+          if (writes(layout_[s].param)) {
+            WriteModelTensor(args.checkpoint, params_, compute_dtype_, 0, s);
+          }
         }
       }
     }
@@ -263,7 +285,7 @@ class ZeroOptimizer {
         ForEachGathered(optim_.state(k), [&](const Buffer& full, size_t b) {
           if (!writer) return;
           for (size_t s = buckets_[b].first_slot; s < buckets_[b].end_slot; ++s) {
-            if (k >= optim_.SlotsOf(layout_[s].group)) continue;
+            if (k >= optim_.SlotsOf(layout_[s].group) || !writes(layout_[s].param)) continue;
             int64_t n = layout_[s].numel;
             cai_tensor t = FlatView(full, kFloat32, layout_[s].offset - buckets_[b].offset, &n);
             Check(Host().checkpoint->write_tensor(

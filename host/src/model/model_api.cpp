@@ -170,8 +170,9 @@ cai_status* StageForward(cai_model* model, const cai_stage_forward_args* args) {
     RequireStructSize(args, CAI_STRUCT_SIZE(cai_stage_forward_args, loss), "stage_forward: args");
     const bool is_last = args->last_unit == static_cast<int32_t>(m->NumUnits());
     if (!is_last) NotNull(args->output, "stage_forward", "args->output (non-last stage)");
+    const bool no_grad = CAI_HAS_FIELD(args, cai_stage_forward_args, no_grad) && args->no_grad;
     Model::StageResult result = m->StageForward(args->first_unit, args->last_unit, args->tokens,
-                                                args->targets, args->input);
+                                                args->targets, args->input, no_grad);
     if (args->output != nullptr) {
       *args->output = reinterpret_cast<cai_activation*>(result.output.release());
     }

@@ -32,6 +32,7 @@
 #include "launch/rank_env.h"
 #include "loader/registry.h"
 #include "mem/mem_api.h"
+#include "model/framework_allocator.h"
 #include "model/model.h"
 #include "optim/optimizer.h"
 #include "services/host_table.h"
@@ -671,12 +672,13 @@ void AddMean(JsonObject& object, const char* key, int64_t sum, int64_t steps) {
 void Run::WriteSummary(double wall_s) {
   // Per-rank figures travel to rank 0 in one all-gather: peak bytes per tier, peak RSS, bytes
   // handed to each collective and bytes sent on the wire for it, summed over the steps (-1:
-  // not measurable, e.g. NCCL), and what the strategy holds (sharding strategies hold
-  // different amounts on different ranks).
+  // not measurable, e.g. NCCL), what the strategy holds (sharding strategies hold different
+  // amounts on different ranks), and LibTorch's own allocations (peak, and live now).
   constexpr size_t kHanded = CAI_MEM_NUM_TIERS + 1;
   constexpr size_t kWire = kHanded + CAI_COMM_NUM_OPS;
   constexpr size_t kStats = kWire + CAI_COMM_NUM_OPS;
-  constexpr size_t kFields = kStats + 4;
+  constexpr size_t kFramework = kStats + 4;
+  constexpr size_t kFields = kFramework + 2;
   cai_strategy_stats stats{};
   stats.struct_size = CAI_STRATEGY_STATS_STRUCT_SIZE;
   ThrowIfError(strategy_.api->stats(instance_, &stats));
@@ -685,6 +687,9 @@ void Run::WriteSummary(double wall_s) {
   mine[kStats + 1] = static_cast<int64_t>(stats.grad_bytes);
   mine[kStats + 2] = static_cast<int64_t>(stats.optimizer_state_bytes);
   mine[kStats + 3] = static_cast<int64_t>(stats.master_bytes);
+  const FrameworkMemory framework = FrameworkMemoryUsage();
+  mine[kFramework + 0] = static_cast<int64_t>(framework.peak_bytes);
+  mine[kFramework + 1] = static_cast<int64_t>(framework.current_bytes);
   for (int tier = 0; tier < CAI_MEM_NUM_TIERS; ++tier) {
     cai_mem_usage usage{};
     usage.struct_size = CAI_MEM_USAGE_STRUCT_SIZE;
@@ -729,6 +734,8 @@ void Run::WriteSummary(double wall_s) {
                         .Add("rank", r)
                         .AddRaw("peak_bytes", peak.str())
                         .Add("peak_rss_bytes", f[CAI_MEM_NUM_TIERS])
+                        .Add("framework_peak_bytes", f[kFramework + 0])
+                        .Add("framework_bytes_at_end", f[kFramework + 1])
                         .AddRaw("comm_bytes_per_step_mean", handed.str())
                         .AddRaw("wire_bytes_per_step_mean", wire.str())
                         .AddRaw("strategy_bytes", JsonObject()
@@ -832,6 +839,9 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
   // step reuse it, as PyTorch's own CPU caching would.
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
   mallopt(M_TRIM_THRESHOLD, 512 << 20);
+  // Before any thread starts and any tensor exists: LibTorch's own allocations (activations,
+  // temporaries) are counted from here, for summary.json's framework_peak_bytes.
+  InstallFrameworkAllocator();
   InitLogging(env.rank, CAI_LOG_INFO, std::getenv("CAI_LAUNCHER") == nullptr);
   std::error_code ec;
   fs::create_directories(run_dir / "logs", ec);

@@ -264,6 +264,8 @@ class Run {
   void LearnLayout();
   double StepLoss(int64_t step);
   double SumOverRanks(double value);
+  // Every rank's `mine` (the same length on every rank), in rank order. Collective.
+  std::vector<int64_t> GatherOverRanks(std::vector<int64_t> mine);
   void Barrier();
   double Evaluate();
   void SaveCheckpoint(int64_t step);
@@ -321,6 +323,22 @@ double Run::SumOverRanks(double value) {
   args.output = &t;
   ThrowIfError(CommApi()->run(&args, nullptr));
   return value;
+}
+
+std::vector<int64_t> Run::GatherOverRanks(std::vector<int64_t> mine) {
+  if (env_.world_size == 1) return mine;
+  std::vector<int64_t> all(mine.size() * env_.world_size);
+  int64_t in_n = static_cast<int64_t>(mine.size()), out_n = static_cast<int64_t>(all.size());
+  int64_t stride = 1;
+  cai_tensor in{mine.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &in_n, &stride, 0};
+  cai_tensor out{all.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &out_n, &stride, 0};
+  cai_comm_args args{};
+  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+  args.op = CAI_COMM_ALL_GATHER;
+  args.input = &in;
+  args.output = &out;
+  ThrowIfError(CommApi()->run(&args, nullptr));
+  return all;
 }
 
 void Run::Barrier() {
@@ -464,22 +482,7 @@ void Run::LearnLayout() {
   std::vector<int64_t> mine = {out.data_parallel_rank, out.data_parallel_size,
                                out.reports_loss ? 1 : 0, out.pipelines ? 1 : 0};
   const int world = env_.world_size;
-  std::vector<int64_t> all(mine.size() * world);
-  if (world == 1) {
-    all = mine;
-  } else {
-    int64_t in_n = static_cast<int64_t>(mine.size()), out_n = static_cast<int64_t>(all.size());
-    int64_t stride = 1;
-    cai_tensor in{mine.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &in_n, &stride, 0};
-    cai_tensor gathered{all.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &out_n, &stride,
-                        0};
-    cai_comm_args args{};
-    args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-    args.op = CAI_COMM_ALL_GATHER;
-    args.input = &in;
-    args.output = &gathered;
-    ThrowIfError(CommApi()->run(&args, nullptr));
-  }
+  const std::vector<int64_t> all = GatherOverRanks(mine);
   const std::string who = "strategy '" + strategy_.name + "' (parallel_layout)";
   const auto fail = [&](const std::string& what) {
     throw Error(CAI_FAILED_PRECONDITION, who + ": " + what + "; this is a bug in the strategy");
@@ -701,20 +704,7 @@ void Run::WriteSummary(double wall_s) {
     mine[kHanded + op] = static_cast<int64_t>(handed_sum_[op]);
     mine[kWire + op] = unmeasured_calls_[op] > 0 ? -1 : static_cast<int64_t>(wire_sum_[op]);
   }
-  std::vector<int64_t> all(kFields * env_.world_size);
-  if (env_.world_size == 1) {
-    all = mine;
-  } else {
-    int64_t in_n = kFields, out_n = all.size(), stride = 1;
-    cai_tensor in{mine.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &in_n, &stride, 0};
-    cai_tensor out{all.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &out_n, &stride, 0};
-    cai_comm_args args{};
-    args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-    args.op = CAI_COMM_ALL_GATHER;
-    args.input = &in;
-    args.output = &out;
-    ThrowIfError(CommApi()->run(&args, nullptr));
-  }
+  const std::vector<int64_t> all = GatherOverRanks(mine);
   if (env_.rank != 0) return;
 
   std::vector<double> sorted = step_times_;

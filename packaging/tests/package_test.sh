@@ -129,6 +129,7 @@ for deb in "${debs[@]}"; do
                "$libdir/pkgconfig/cai.pc" /usr/bin/cai-conformance \
                /usr/share/cai/abi/v1.0/cai/abi.h /usr/share/cai/abi/v1.0/SHA256SUMS \
                /usr/share/cai/abi/v1.1/cai/abi.h /usr/share/cai/abi/v1.1/SHA256SUMS \
+               /usr/share/cai/abi/v1.2/cai/abi.h /usr/share/cai/abi/v1.2/SHA256SUMS \
                "$devdoc/DESIGN.md" "$devdoc/docs/README.md" "$devdoc/docs/abi-contract.md" \
                "$devdoc/docs/manifest.md" "$devdoc/docs/checkpoint-layout.md" \
                "$devdoc/examples/hello_strategy/CMakeLists.txt" \

@@ -34,7 +34,7 @@ extern "C" {
  * negotiation in cai_plugin_init_v1 otherwise. */
 #define CAI_ABI_MAJOR 1
 /* Bumped for every append to any struct below; see CHANGELOG.md beside these headers. */
-#define CAI_ABI_MINOR 2
+#define CAI_ABI_MINOR 3
 /* The oldest host minor a plugin built from these headers needs: it reports it at init
  * (cai_plugin_init_args.plugin_min_host_minor), and its manifest's [abi] min_host_minor must
  * say the same (the host refuses a mismatch at load). Defaults to CAI_ABI_MINOR of these

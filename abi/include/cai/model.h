@@ -86,8 +86,13 @@ typedef struct cai_unit_info {
   uint32_t num_params;
   const uint32_t* params; /* parameter indices, in registration order */
   int64_t numel;          /* sum of the unit's parameters' numel (tied counted once) */
+  /* since 1.3: parameters held by other units that this unit's forward reads (GPT-2's head
+   * reads the token embedding held by unit 0), so a pipeline knows which parameters cross
+   * stages. num_reads entries, in index order; lives as long as the model. */
+  uint32_t num_reads;
+  const uint32_t* reads;
 } cai_unit_info;
-#define CAI_UNIT_INFO_STRUCT_SIZE CAI_STRUCT_SIZE(cai_unit_info, numel)
+#define CAI_UNIT_INFO_STRUCT_SIZE CAI_STRUCT_SIZE(cai_unit_info, reads)
 
 /* ---- Hooks ------------------------------------------------------------------------------ */
 
@@ -163,8 +168,13 @@ typedef struct cai_stage_forward_args {
   const cai_tensor* input; /* activation data from the previous stage */
   cai_activation** output;
   double* loss;
+  /* since 1.3: forward only, for evaluation: no graph is kept and parameters' gradients are
+   * untouched. The last stage returns its loss and keeps nothing (no stage_backward follows,
+   * and it takes no micro-batch number); a non-last stage's output activation carries no
+   * graph, so it cannot be back-propagated. Unit hooks fire as in any forward. */
+  bool no_grad;
 } cai_stage_forward_args;
-#define CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_stage_forward_args, loss)
+#define CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_stage_forward_args, no_grad)
 
 /* Backward of one stage-forward. `activation` is what stage_forward returned (NULL for the
  * last stage, identified by micro_batch); `grad_output` the gradient received from the next

@@ -4,8 +4,9 @@
  * Lifecycle: the host dlopen()s the plugin (RTLD_NOW | RTLD_LOCAL, from the descriptor it
  * trust-checked and hashed, never unloaded), calls cai_plugin_init_v1 exactly once,
  * single-threaded, then for each job:
- * create → boost → { forward_backward (or execute_pipeline) … → step → zero_grad } … →
- * save/load as asked → destroy. The plugin's table mirrors ColossalAI's Booster plugin.
+ * create → boost → [parallel_layout] → { forward_backward (or execute_pipeline) … → step →
+ * zero_grad } … → save/load as asked → destroy. The plugin's table mirrors ColossalAI's
+ * Booster plugin.
  */
 #ifndef CAI_PLUGIN_H_
 #define CAI_PLUGIN_H_
@@ -147,12 +148,17 @@ typedef struct cai_micro_batch {
 } cai_micro_batch;
 #define CAI_MICRO_BATCH_STRUCT_SIZE CAI_STRUCT_SIZE(cai_micro_batch, loss)
 
+/* All of this replica's micro-batches of one optimizer step, for execute_pipeline. Each
+ * micro_batches[i].loss, where non-NULL, may receive that micro-batch's unweighted mean loss
+ * on the ranks that compute it (the last pipeline stage); other ranks leave it untouched. */
 typedef struct cai_pipeline_args {
   size_t struct_size;
   cai_extension_base* extension_start;
   const cai_micro_batch* micro_batches;
   int32_t num_micro_batches;
-  double* loss; /* out: mean over micro-batches (valid on every rank) */
+  /* out: sum over the micro-batches of (mean loss * loss_weight): this replica's share of the
+   * step's global loss. Valid at least where cai_parallel_layout.reports_loss. */
+  double* loss;
 } cai_pipeline_args;
 #define CAI_PIPELINE_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_pipeline_args, loss)
 
@@ -221,6 +227,30 @@ typedef struct cai_memory_estimate {
 } cai_memory_estimate;
 #define CAI_MEMORY_ESTIMATE_STRUCT_SIZE CAI_STRUCT_SIZE(cai_memory_estimate, formula)
 
+/* since 1.3: how a strategy lays the world's ranks out, so that the host feeds each rank the
+ * right rows and counts each loss once (cai_plugin_api.parallel_layout). The host zero-fills
+ * it and sets struct_size; the strategy fills what it knows. */
+typedef struct cai_parallel_layout {
+  size_t struct_size;
+  cai_extension_base* extension_start;
+  /* The global batch is split over data_parallel_size replicas, replica data_parallel_rank
+   * taking its share of the rows as a rank of a pure data-parallel world would. Every rank of
+   * one replica (its pipeline stages, later its tensor-parallel peers) gets the same rows.
+   * 1 <= data_parallel_size, data_parallel_size divides the world size, and
+   * 0 <= data_parallel_rank < data_parallel_size. */
+  int32_t data_parallel_rank;
+  int32_t data_parallel_size;
+  /* This rank's losses count in the step's global loss and in evaluation: exactly one rank
+   * per replica says so (the last pipeline stage, say). The host sums reports_loss ranks'
+   * weighted losses over the world. */
+  bool reports_loss;
+  /* The host calls execute_pipeline once per step with all of this replica's micro-batches of
+   * the step, instead of forward_backward per micro-batch; no_sync is not called then.
+   * Needs CAI_CAP_PIPELINE and execute_pipeline. */
+  bool pipelines;
+} cai_parallel_layout;
+#define CAI_PARALLEL_LAYOUT_STRUCT_SIZE CAI_STRUCT_SIZE(cai_parallel_layout, pipelines)
+
 typedef struct cai_plugin_api {
   size_t struct_size;
   cai_extension_base* extension_start;
@@ -240,7 +270,8 @@ typedef struct cai_plugin_api {
   cai_status* (*boost)(cai_strategy* strategy, const cai_boost_args* args);
   /* Required. Forward and backward of one micro-batch, communication included. */
   cai_status* (*forward_backward)(cai_strategy* strategy, const cai_micro_batch* batch);
-  /* Optional (NULL unless CAI_CAP_PIPELINE): all micro-batches of a step through a pipeline. */
+  /* Optional (NULL unless CAI_CAP_PIPELINE): all of this replica's micro-batches of a step
+   * through a pipeline, when parallel_layout says `pipelines` (see cai_pipeline_args). */
   cai_status* (*execute_pipeline)(cai_strategy* strategy, const cai_pipeline_args* args);
   /* Optional (NULL unless CAI_CAP_NO_SYNC): while enabled, forward_backward accumulates
    * gradients locally without communication. */
@@ -262,10 +293,18 @@ typedef struct cai_plugin_api {
   /* since 1.1. Optional: forward only, for evaluation; batch->loss receives this rank's mean
    * loss and nothing is accumulated into gradients. Hosts fall back to the model service's
    * forward when it is absent, which is right only for strategies that keep every parameter
-   * materialised (1.0 plugins that shard parameters cannot be evaluated by a 1.0 contract). */
+   * materialised (1.0 plugins that shard parameters cannot be evaluated by a 1.0 contract).
+   * Under a layout (parallel_layout), the host calls it on every rank of a replica with the
+   * replica's batch; batch->loss is meaningful where reports_loss. */
   cai_status* (*evaluate)(cai_strategy* strategy, const cai_micro_batch* batch);
+
+  /* since 1.3. Optional: fills `out` with the strategy's layout of ranks. The host calls it
+   * once per instance, after boost. Absent (older plugins, or NULL): data_parallel_rank is the
+   * world rank, data_parallel_size the world size, every rank reports its loss and nothing
+   * pipelines, which is what every 1.0-1.2 strategy assumes. */
+  cai_status* (*parallel_layout)(cai_strategy* strategy, cai_parallel_layout* out);
 } cai_plugin_api;
-#define CAI_PLUGIN_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_plugin_api, evaluate)
+#define CAI_PLUGIN_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_plugin_api, parallel_layout)
 /* The smallest table a host accepts: ABI 1.0's. */
 #define CAI_PLUGIN_API_V1_0_STRUCT_SIZE CAI_STRUCT_SIZE(cai_plugin_api, stats)
 

@@ -114,7 +114,8 @@ int Info(const GlobalOptions& options, const std::string& name, std::ostream& ou
       << "\n  pipeline: " << yes(m.capabilities.pipeline)
       << "\n  sharded_checkpoint: " << yes(m.capabilities.sharded_checkpoint)
       << "\n  tensor_parallel: " << yes(m.capabilities.tensor_parallel)
-      << "\n  estimate_memory: " << yes(plugin.Has(&cai_plugin_api::estimate_memory)) << "\n";
+      << "\n  estimate_memory: " << yes(plugin.Has(&cai_plugin_api::estimate_memory))
+      << "\n  parallel_layout: " << yes(plugin.Has(&cai_plugin_api::parallel_layout)) << "\n";
   out << "config keys ([plugin." << m.name << "] in a job file):\n";
   if (plugin.schema.empty()) out << "  (none)\n";
   for (const ConfigKey& key : plugin.schema) {

@@ -57,7 +57,7 @@ void DestroyGroup(cai_comm_group* group) {
 cai_status* Run(const cai_comm_args* args, cai_comm_work** work) {
   return Guard([&] {
     if (args == nullptr) throw Error(CAI_INVALID_ARGUMENT, "run: args is NULL");
-    if (args->struct_size >= CAI_COMM_ARGS_STRUCT_SIZE && args->async && work == nullptr) {
+    if (CAI_HAS_FIELD(args, cai_comm_args, async) && args->async && work == nullptr) {
       throw Error(CAI_INVALID_ARGUMENT, "run: an async operation needs a `work` out-parameter");
     }
     Communicator& comm = Required("run");
@@ -89,7 +89,7 @@ void WorkRelease(cai_comm_work* work) { Communicator::Release(work); }
 
 cai_status* GetCounters(const cai_comm_group* group, cai_comm_counters* out) {
   return Guard([&] {
-    RequireStructSize(out, CAI_COMM_COUNTERS_STRUCT_SIZE, "counters: out");
+    RequireStructSize(out, CAI_STRUCT_SIZE(cai_comm_counters, bytes), "counters: out");
     cai_comm_counters counters = Required("counters").Counters(group);
     for (int i = 0; i < CAI_COMM_NUM_OPS; ++i) {
       out->calls[i] = counters.calls[i];

@@ -450,7 +450,7 @@ class Communicator::Impl {
   }
 
   cai_comm_work* Run(const cai_comm_args& args) {
-    RequireStructSize(&args, CAI_COMM_ARGS_STRUCT_SIZE, "cai_comm_args");
+    RequireStructSize(&args, CAI_STRUCT_SIZE(cai_comm_args, stream), "cai_comm_args");
     if (args.op < 0 || args.op >= CAI_COMM_NUM_OPS) {
       throw Error(CAI_INVALID_ARGUMENT, "run: unknown cai_comm_op " + std::to_string(args.op));
     }

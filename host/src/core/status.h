@@ -31,9 +31,12 @@ const char* StatusMessage(const cai_status* status);
 // Does nothing for NULL (success).
 void ThrowIfError(cai_status* status);
 
-// Every ABI argument struct: throws INVALID_ARGUMENT unless `s` is non-NULL and its
-// struct_size covers `needed`, the bytes of the struct's ABI 1.0 layout (fields beyond the
-// caller's struct_size read as absent). `what` names the argument, e.g. "param_info: out".
+// Every ABI argument or out struct the host receives: throws INVALID_ARGUMENT unless `s` is
+// non-NULL and its struct_size covers `needed`, the bytes of the struct's first version:
+// CAI_STRUCT_SIZE(type, the last field ABI 1.0 had), never today's CAI_*_STRUCT_SIZE, which
+// grows when a minor appends and would refuse every older caller. Fields beyond the caller's
+// struct_size read as absent (CAI_HAS_FIELD), and out fields beyond it are not written.
+// `what` names the argument, e.g. "param_info: out".
 template <class S>
 void RequireStructSize(const S* s, size_t needed, std::string_view what) {
   if (s == nullptr) throw Error(CAI_INVALID_ARGUMENT, std::string(what) + " is NULL");

@@ -107,7 +107,7 @@ FloatType RequireFloat(const Operand& op, const char* name, const char* kernel) 
 }
 
 void RunKernel(const cai_mem_kernel_args* args) {
-  RequireStructSize(args, CAI_MEM_KERNEL_ARGS_STRUCT_SIZE, "cai_mem_kernel_args");
+  RequireStructSize(args, CAI_STRUCT_SIZE(cai_mem_kernel_args, stream), "cai_mem_kernel_args");
   const char* kernel = "";
   bool takes_x = false, reduces = false;
   switch (args->op) {
@@ -185,7 +185,7 @@ void RunKernel(const cai_mem_kernel_args* args) {
 
 cai_status* Alloc(const cai_mem_alloc_args* args, cai_buffer** out) {
   return Guard([&] {
-    RequireStructSize(args, CAI_MEM_ALLOC_ARGS_STRUCT_SIZE, "cai_mem_alloc_args");
+    RequireStructSize(args, CAI_STRUCT_SIZE(cai_mem_alloc_args, zero_fill), "cai_mem_alloc_args");
     if (!out) Invalid("cai_mem_api.alloc: out is NULL");
     *out = MemoryPool::Global().Allocate(args->tier, args->bytes, args->alignment,
                                          args->tag ? args->tag : "", args->zero_fill);
@@ -221,7 +221,7 @@ cai_status* SetBudget(cai_mem_tier tier, uint64_t bytes) {
 
 cai_status* Usage(cai_mem_tier tier, cai_mem_usage* out) {
   return Guard([&] {
-    RequireStructSize(out, CAI_MEM_USAGE_STRUCT_SIZE, "cai_mem_usage");
+    RequireStructSize(out, CAI_STRUCT_SIZE(cai_mem_usage, cached_bytes), "cai_mem_usage");
     const TierUsage u = MemoryPool::Global().Usage(tier);
     out->current_bytes = u.current_bytes;
     out->peak_bytes = u.peak_bytes;

@@ -2,6 +2,7 @@
 // release, gradient storage, activation checkpointing, pipeline stages and the loss.
 #include "model/model.h"
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <utility>
@@ -114,6 +115,7 @@ class Activation {
   torch::Tensor output;  // hidden states with history (non-last stages)
   torch::Tensor loss;    // last stage
   std::vector<char> input_needs_grad;  // per unit in [first, last)
+  bool no_grad = false;                // forward only: nothing to back-propagate
   DescribedShape described;
 };
 
@@ -131,6 +133,7 @@ struct Model::Impl {
   };
   struct Unit {
     std::vector<uint32_t> params;  // held by this unit
+    std::vector<uint32_t> reads;   // held by other units, read by this unit's forward
     int trainable = 0;
     int64_t numel = 0;
   };
@@ -175,6 +178,12 @@ struct Model::Impl {
         u.numel += spec.tensor.numel();
         u.trainable += spec.tensor.requires_grad() ? 1 : 0;
       }
+    }
+    for (size_t u = 0; u < units.size(); ++u) {
+      for (uint32_t i : net->units[u].reads) {
+        if (net->params[i].unit != static_cast<int32_t>(u)) units[u].reads.push_back(i);
+      }
+      std::sort(units[u].reads.begin(), units[u].reads.end());
     }
     buffer_views.resize(net->buffers.size());
     active.assign(units.size(), 0);
@@ -498,6 +507,8 @@ cai_unit_info Model::UnitInfo(uint32_t index) const {
   info.num_params = static_cast<uint32_t>(u.params.size());
   info.params = u.params.data();
   info.numel = u.numel;
+  info.num_reads = static_cast<uint32_t>(u.reads.size());
+  info.reads = u.reads.empty() ? nullptr : u.reads.data();
   return info;
 }
 
@@ -703,7 +714,7 @@ double Model::ForwardBackward(const cai_tensor& tokens, const cai_tensor& target
 
 Model::StageResult Model::StageForward(int32_t first_unit, int32_t last_unit,
                                        const cai_tensor* tokens, const cai_tensor* targets,
-                                       const cai_tensor* input) {
+                                       const cai_tensor* input, bool no_grad) {
   Impl& m = *impl_;
   const auto n = static_cast<int32_t>(m.units.size());
   if (first_unit < 0 || first_unit >= last_unit || last_unit > n) {
@@ -712,7 +723,7 @@ Model::StageResult Model::StageForward(int32_t first_unit, int32_t last_unit,
                                    ") must be a non-empty range in [0, " + std::to_string(n) + "]");
   }
   const bool is_last = last_unit == n;
-  if (is_last && m.last_stage.count(m.next_micro_batch)) {
+  if (is_last && !no_grad && m.last_stage.count(m.next_micro_batch)) {
     Fail(CAI_FAILED_PRECONDITION, "stage_forward: last-stage micro-batch " +
                                       std::to_string(m.next_micro_batch) +
                                       " still awaits its stage_backward");
@@ -721,6 +732,7 @@ Model::StageResult Model::StageForward(int32_t first_unit, int32_t last_unit,
     auto act = std::make_unique<Activation>();
     act->first = first_unit;
     act->last = last_unit;
+    act->no_grad = no_grad;
     torch::Tensor x;
     if (first_unit == 0) {
       if (tokens == nullptr)
@@ -736,17 +748,24 @@ Model::StageResult Model::StageForward(int32_t first_unit, int32_t last_unit,
       if (!IsFloatingStorage(view.scalar_type()) || view.dim() != 3) {
         Fail(CAI_INVALID_ARGUMENT, "stage_forward: input must be a float [batch, seq, hidden]");
       }
-      x = view.to(m.device(), m.net->compute_type(), false, /*copy=*/true).requires_grad_(true);
-      act->input = x;
+      x = view.to(m.device(), m.net->compute_type(), false, /*copy=*/true);
+      if (!no_grad) {
+        x.requires_grad_(true);
+        act->input = x;
+      }
     }
-    torch::AutoGradMode grad_mode(true);
-    m.EnsureGradReadyHooks();
+    // Evaluation builds no graph: autograd saves nothing and no gradient hook can fire.
+    torch::AutoGradMode grad_mode(!no_grad);
+    if (!no_grad) m.EnsureGradReadyHooks();
     torch::Tensor y = m.RunUnits(first_unit, last_unit, x, act->input_needs_grad);
     StageResult result;
     if (is_last) {
-      act->loss = m.Loss(y, targets);
-      result.loss = act->loss.item<double>();
-      m.last_stage[m.next_micro_batch++] = std::move(act);
+      torch::Tensor loss = m.Loss(y, targets);
+      result.loss = loss.item<double>();
+      if (!no_grad) {
+        act->loss = loss;
+        m.last_stage[m.next_micro_batch++] = std::move(act);
+      }
     } else {
       act->output = y;
       result.output.reset(act.release());
@@ -771,6 +790,11 @@ void Model::StageBackward(Activation* activation, int32_t micro_batch,
     activation = owned.get();
   }
   Activation& act = *activation;
+  if (act.no_grad) {
+    Fail(CAI_FAILED_PRECONDITION,
+         "stage_backward: this activation comes from a no_grad stage_forward, which keeps no "
+         "graph; run the stage's forward without no_grad to back-propagate it");
+  }
   if (!act.loss.defined() && !act.output.defined()) {
     Fail(CAI_FAILED_PRECONDITION, "stage_backward: this activation was already back-propagated");
   }

@@ -99,7 +99,8 @@ class Model {
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
-  // Structure. Pointers in the returned structs live as long as the model.
+  // Structure. Pointers in the returned structs live as long as the model. A unit's `reads`
+  // are the parameters of other units its forward reads (GPT-2's head: the token embedding).
   uint32_t NumParams() const;
   cai_param_info ParamInfo(uint32_t index) const;
   uint32_t NumUnits() const;
@@ -147,15 +148,20 @@ class Model {
   // targets, returns the loss and no activation; its graph waits under the micro-batch number
   // stage_backward will name: last-stage forwards are numbered 0, 1, ... in call order,
   // starting again after ZeroGrad. PRE_STEP_FORWARD fires for stages with first_unit 0.
+  // With `no_grad` (evaluation) no graph is built and gradients are untouched: the last stage
+  // returns its loss, keeps nothing and takes no micro-batch number; a non-last stage's output
+  // has no history and cannot be back-propagated. Forward hooks fire as in any forward.
   struct StageResult {
     ActivationPtr output;
     double loss = 0.0;
   };
   StageResult StageForward(int32_t first_unit, int32_t last_unit, const cai_tensor* tokens,
-                           const cai_tensor* targets, const cai_tensor* input);
-  // `activation` from StageForward, or null for the last stage's `micro_batch`. Non-last
-  // stages need `grad_output` (shape of the activation); `grad_input`, when given, receives
-  // the gradient of the stage's input. The activation's graph is freed afterwards.
+                           const cai_tensor* targets, const cai_tensor* input,
+                           bool no_grad = false);
+  // `activation` from StageForward (not a no_grad one), or null for the last stage's
+  // `micro_batch`. Non-last stages need `grad_output` (shape of the activation); `grad_input`,
+  // when given, receives the gradient of the stage's input. The activation's graph is freed
+  // afterwards.
   void StageBackward(Activation* activation, int32_t micro_batch, const cai_tensor* grad_output,
                      const cai_tensor* grad_input, double loss_scale = 1.0);
   static cai_tensor ActivationData(Activation& activation);

@@ -1,5 +1,6 @@
 // The cai_model_api table: argument checks and cai::Guard around Model. Torch-free.
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <string>
 
@@ -24,11 +25,15 @@ void NotNull(const void* pointer, const char* function, const char* argument) {
   }
 }
 
-// Copies what both sides know into a caller's out-struct; struct_size then says how much.
+// Copies what both sides know into a caller's out-struct, never beyond its struct_size (an
+// older caller's struct is smaller), keeping its extension chain; struct_size then says how
+// much was filled.
 template <class S>
 void WriteOut(const S& value, S* out) {
+  constexpr size_t kHeader = offsetof(S, extension_start) + sizeof(cai_extension_base*);
   const size_t size = std::min(out->struct_size, value.struct_size);
-  std::memcpy(static_cast<void*>(out), &value, size);
+  std::memcpy(reinterpret_cast<char*>(out) + kHeader,
+              reinterpret_cast<const char*>(&value) + kHeader, size - kHeader);
   out->struct_size = size;
 }
 
@@ -43,7 +48,7 @@ uint32_t NumParams(const cai_model* model) {
 cai_status* ParamInfo(const cai_model* model, uint32_t index, cai_param_info* out) {
   return Guard([&] {
     const Model* m = Get(model, "param_info");
-    RequireStructSize(out, CAI_PARAM_INFO_STRUCT_SIZE, "param_info: out");
+    RequireStructSize(out, CAI_STRUCT_SIZE(cai_param_info, parallel_dim), "param_info: out");
     WriteOut(m->ParamInfo(index), out);
   });
 }
@@ -55,7 +60,7 @@ uint32_t NumUnits(const cai_model* model) {
 cai_status* UnitInfo(const cai_model* model, uint32_t index, cai_unit_info* out) {
   return Guard([&] {
     const Model* m = Get(model, "unit_info");
-    RequireStructSize(out, CAI_UNIT_INFO_STRUCT_SIZE, "unit_info: out");
+    RequireStructSize(out, CAI_STRUCT_SIZE(cai_unit_info, numel), "unit_info: out");
     WriteOut(m->UnitInfo(index), out);
   });
 }
@@ -131,7 +136,7 @@ cai_status* ZeroGrad(cai_model* model, bool set_to_none) {
 cai_status* RegisterHook(cai_model* model, const cai_hook_args* args, uint64_t* id) {
   return Guard([&] {
     Model* m = Get(model, "register_hook");
-    RequireStructSize(args, CAI_HOOK_ARGS_STRUCT_SIZE, "register_hook: args");
+    RequireStructSize(args, CAI_STRUCT_SIZE(cai_hook_args, user_data), "register_hook: args");
     NotNull(id, "register_hook", "id");
     NotNull(reinterpret_cast<const void*>(args->fn), "register_hook", "args->fn");
     const cai_hook_fn fn = args->fn;
@@ -149,7 +154,8 @@ cai_status* RemoveHook(cai_model* model, uint64_t id) {
 cai_status* ForwardBackward(cai_model* model, const cai_forward_backward_args* args) {
   return Guard([&] {
     Model* m = Get(model, "forward_backward");
-    RequireStructSize(args, CAI_FORWARD_BACKWARD_ARGS_STRUCT_SIZE, "forward_backward: args");
+    RequireStructSize(args, CAI_STRUCT_SIZE(cai_forward_backward_args, loss),
+                      "forward_backward: args");
     NotNull(args->tokens, "forward_backward", "args->tokens");
     NotNull(args->targets, "forward_backward", "args->targets");
     const double loss = m->ForwardBackward(*args->tokens, *args->targets, args->backward,
@@ -161,11 +167,12 @@ cai_status* ForwardBackward(cai_model* model, const cai_forward_backward_args* a
 cai_status* StageForward(cai_model* model, const cai_stage_forward_args* args) {
   return Guard([&] {
     Model* m = Get(model, "stage_forward");
-    RequireStructSize(args, CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE, "stage_forward: args");
+    RequireStructSize(args, CAI_STRUCT_SIZE(cai_stage_forward_args, loss), "stage_forward: args");
     const bool is_last = args->last_unit == static_cast<int32_t>(m->NumUnits());
     if (!is_last) NotNull(args->output, "stage_forward", "args->output (non-last stage)");
+    const bool no_grad = CAI_HAS_FIELD(args, cai_stage_forward_args, no_grad) && args->no_grad;
     Model::StageResult result = m->StageForward(args->first_unit, args->last_unit, args->tokens,
-                                                args->targets, args->input);
+                                                args->targets, args->input, no_grad);
     if (args->output != nullptr) {
       *args->output = reinterpret_cast<cai_activation*>(result.output.release());
     }
@@ -176,7 +183,8 @@ cai_status* StageForward(cai_model* model, const cai_stage_forward_args* args) {
 cai_status* StageBackward(cai_model* model, const cai_stage_backward_args* args) {
   return Guard([&] {
     Model* m = Get(model, "stage_backward");
-    RequireStructSize(args, CAI_STAGE_BACKWARD_ARGS_STRUCT_SIZE, "stage_backward: args");
+    RequireStructSize(args, CAI_STRUCT_SIZE(cai_stage_backward_args, loss_scale),
+                      "stage_backward: args");
     m->StageBackward(FromHandle(args->activation), args->micro_batch, args->grad_output,
                      args->grad_input, OrOne(args->loss_scale));
   });
@@ -208,7 +216,8 @@ cai_status* SetActivationCheckpointing(cai_model* model, bool enabled) {
 cai_status* ApplyTensorParallel(cai_model* model, const cai_tensor_parallel_args* args) {
   return Guard([&] {
     Get(model, "apply_tensor_parallel");
-    RequireStructSize(args, CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE, "apply_tensor_parallel: args");
+    RequireStructSize(args, CAI_STRUCT_SIZE(cai_tensor_parallel_args, sequence_parallel),
+                      "apply_tensor_parallel: args");
     throw Error(CAI_UNIMPLEMENTED,
                 "apply_tensor_parallel: host-side tensor parallelism lands with the "
                 "hybrid-parallel strategy; until then parameters stay whole on every rank");

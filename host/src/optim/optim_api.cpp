@@ -36,7 +36,8 @@ uint32_t NumGroups(const cai_optimizer* opt) { return opt ? FromHandle(opt)->num
 cai_status* GroupInfo(const cai_optimizer* opt, uint32_t group, cai_optim_group_info* out) {
   return Guard([&] {
     const Optimizer& o = Require(opt);
-    RequireStructSize(out, CAI_OPTIM_GROUP_INFO_STRUCT_SIZE, "cai_optim_group_info");
+    RequireStructSize(out, CAI_STRUCT_SIZE(cai_optim_group_info, state_slots),
+                      "cai_optim_group_info");
     const GroupHyper& h = o.group(group);
     const uint32_t slots = o.state_slots(group);
     out->kind = o.kind();
@@ -54,7 +55,8 @@ cai_status* GroupInfo(const cai_optimizer* opt, uint32_t group, cai_optim_group_
 
 cai_status* Update(const cai_optim_update_args* args) {
   return Guard([&] {
-    RequireStructSize(args, CAI_OPTIM_UPDATE_ARGS_STRUCT_SIZE, "cai_optim_update_args");
+    RequireStructSize(args, CAI_STRUCT_SIZE(cai_optim_update_args, stream),
+                      "cai_optim_update_args");
     const Optimizer& o = Require(args->optimizer);
     FusedUpdate u;
     if (args->device.device_type == CAI_DEVICE_CUDA) {
@@ -97,7 +99,8 @@ double MaxGradNorm(const cai_optimizer* opt) { return opt ? FromHandle(opt)->max
 
 cai_status* LossScalerCreate(const cai_loss_scaler_config* config, cai_loss_scaler** out) {
   return Guard([&] {
-    RequireStructSize(config, CAI_LOSS_SCALER_CONFIG_STRUCT_SIZE, "cai_loss_scaler_config");
+    RequireStructSize(config, CAI_STRUCT_SIZE(cai_loss_scaler_config, max_scale),
+                      "cai_loss_scaler_config");
     if (!out) Invalid("loss_scaler_create: out is NULL");
     LossScalerConfig c;
     c.initial_scale = config->initial_scale;
@@ -124,7 +127,8 @@ bool LossScalerUpdate(cai_loss_scaler* scaler, bool found_inf) {
 cai_status* LossScalerGetState(const cai_loss_scaler* scaler, cai_loss_scaler_state* out) {
   return Guard([&] {
     if (!scaler) Invalid("loss scaler handle is NULL");
-    RequireStructSize(out, CAI_LOSS_SCALER_STATE_STRUCT_SIZE, "cai_loss_scaler_state");
+    RequireStructSize(out, CAI_STRUCT_SIZE(cai_loss_scaler_state, overflows_left),
+                      "cai_loss_scaler_state");
     const LossScalerState& s = FromHandle(scaler)->state();
     out->scale = s.scale;
     out->clean_steps = s.clean_steps;
@@ -135,7 +139,8 @@ cai_status* LossScalerGetState(const cai_loss_scaler* scaler, cai_loss_scaler_st
 cai_status* LossScalerSetState(cai_loss_scaler* scaler, const cai_loss_scaler_state* state) {
   return Guard([&] {
     if (!scaler) Invalid("loss scaler handle is NULL");
-    RequireStructSize(state, CAI_LOSS_SCALER_STATE_STRUCT_SIZE, "cai_loss_scaler_state");
+    RequireStructSize(state, CAI_STRUCT_SIZE(cai_loss_scaler_state, overflows_left),
+                      "cai_loss_scaler_state");
     FromHandle(scaler)->set_state({state->scale, state->clean_steps, state->overflows_left});
   });
 }

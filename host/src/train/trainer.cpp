@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -31,6 +32,7 @@
 #include "launch/rank_env.h"
 #include "loader/registry.h"
 #include "mem/mem_api.h"
+#include "model/framework_allocator.h"
 #include "model/model.h"
 #include "optim/optimizer.h"
 #include "services/host_table.h"
@@ -190,16 +192,39 @@ struct BatchTensors {
   }
 };
 
-// This rank's rows of a global batch, cut into `accum` micro-batches of near-equal size.
-std::vector<std::vector<int64_t>> RankChunks(const std::vector<int64_t>& starts, int rank,
-                                             int world, int64_t accum) {
-  data::RankShare share = data::ShareOfRank(static_cast<int64_t>(starts.size()), rank, world);
+// How the strategy lays the world out (cai_plugin_api.parallel_layout, ABI 1.3). Without one,
+// every rank is a replica of its own that reports its loss: what 1.0-1.2 strategies assume.
+struct Layout {
+  int dp_rank = 0, dp_size = 1;
+  bool reports_loss = true;
+  bool pipelines = false;
+  // "rank 1" in a world of replicas, "replica 1 (of 2)" otherwise: who holds the rows.
+  std::string Holder(int world) const {
+    return dp_size == world ? "rank " + std::to_string(dp_rank)
+                            : "data-parallel replica " + std::to_string(dp_rank) + " (of " +
+                                  std::to_string(dp_size) + ")";
+  }
+};
+
+// The rows of a global batch that this rank's replica trains on, cut into `accum` micro-batches
+// of near-equal size. The ranks of one replica get the same rows.
+std::vector<std::vector<int64_t>> RankChunks(const std::vector<int64_t>& starts,
+                                             const Layout& layout, int world, int64_t accum) {
+  const auto global = static_cast<int64_t>(starts.size());
+  if (layout.dp_size != world && global < layout.dp_size) {
+    throw Error(CAI_INVALID_ARGUMENT,
+                "train.global_batch (" + std::to_string(global) +
+                    ") must be at least the number of data-parallel replicas (" +
+                    std::to_string(layout.dp_size) +
+                    "): every replica needs at least one sequence per step");
+  }
+  data::RankShare share = data::ShareOfRank(global, layout.dp_rank, layout.dp_size);
   if (share.count < accum) {
     throw Error(CAI_INVALID_ARGUMENT,
-                "rank " + std::to_string(rank) + " holds " + std::to_string(share.count) +
+                layout.Holder(world) + " holds " + std::to_string(share.count) +
                     " sequences of the global batch but train.grad_accum = " +
                     std::to_string(accum) + "; raise train.global_batch to at least " +
-                    std::to_string(accum * world) + " or lower train.grad_accum");
+                    std::to_string(accum * layout.dp_size) + " or lower train.grad_accum");
   }
   std::vector<std::vector<int64_t>> chunks(accum);
   for (int64_t i = 0; i < accum; ++i) {
@@ -236,7 +261,11 @@ class Run {
  private:
   void Setup();
   void ChooseAuto();
+  void LearnLayout();
+  double StepLoss(int64_t step);
   double SumOverRanks(double value);
+  // Every rank's `mine` (the same length on every rank), in rank order. Collective.
+  std::vector<int64_t> GatherOverRanks(std::vector<int64_t> mine);
   void Barrier();
   double Evaluate();
   void SaveCheckpoint(int64_t step);
@@ -258,6 +287,7 @@ class Run {
   std::unique_ptr<Model> model_;
   std::unique_ptr<Optimizer> optimizer_;
   Strategy strategy_;
+  Layout layout_;
   std::unique_ptr<cai_config> plugin_config_;
   cai_strategy* instance_ = nullptr;
   std::vector<data::Token> tokens_;
@@ -293,6 +323,22 @@ double Run::SumOverRanks(double value) {
   args.output = &t;
   ThrowIfError(CommApi()->run(&args, nullptr));
   return value;
+}
+
+std::vector<int64_t> Run::GatherOverRanks(std::vector<int64_t> mine) {
+  if (env_.world_size == 1) return mine;
+  std::vector<int64_t> all(mine.size() * env_.world_size);
+  int64_t in_n = static_cast<int64_t>(mine.size()), out_n = static_cast<int64_t>(all.size());
+  int64_t stride = 1;
+  cai_tensor in{mine.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &in_n, &stride, 0};
+  cai_tensor out{all.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &out_n, &stride, 0};
+  cai_comm_args args{};
+  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+  args.op = CAI_COMM_ALL_GATHER;
+  args.input = &in;
+  args.output = &out;
+  ThrowIfError(CommApi()->run(&args, nullptr));
+  return all;
 }
 
 void Run::Barrier() {
@@ -377,8 +423,15 @@ void Run::Setup() {
     eval_sampler_ = std::make_unique<data::WindowSampler>(
         split.eval, data::SamplerOptions{seq_len_, global_batch_, seed, false});
   }
-  // Fail before any work if the batch cannot be split as asked.
-  RankChunks(train_sampler_->GlobalBatchStarts(0), env_.rank, env_.world_size, accum_);
+  // Fail before any work if the batch cannot be split as asked. A strategy with a layout
+  // states its replicas only after boost, where LearnLayout checks the split.
+  layout_ = {env_.rank, env_.world_size, true, false};
+  const cai_plugin_api* api = strategy_.api;
+  const bool has_layout =
+      CAI_HAS_FIELD(api, cai_plugin_api, parallel_layout) && api->parallel_layout != nullptr;
+  if (!has_layout) {
+    RankChunks(train_sampler_->GlobalBatchStarts(0), layout_, env_.world_size, accum_);
+  }
 
   cai_create_args create{};
   create.struct_size = CAI_CREATE_ARGS_STRUCT_SIZE;
@@ -393,6 +446,7 @@ void Run::Setup() {
   boost.precision = precision_;
   boost.grad_accumulation = static_cast<int32_t>(accum_);
   ThrowIfError(strategy_.api->boost(instance_, &boost));
+  if (has_layout) LearnLayout();
 
   if (GetBool(*job_.checkpoint, "resume")) {
     if (auto latest = ckpt::FindLatestCheckpoint(run_dir_ / "checkpoints")) {
@@ -418,12 +472,81 @@ void Run::Setup() {
   }
 }
 
+// Asks the strategy for its layout and checks it on every rank at once: each rank's answer
+// travels to all in one all-gather, so every rank refuses a bad layout with the same error
+// instead of some waiting in a collective the others never reach.
+void Run::LearnLayout() {
+  cai_parallel_layout out{};
+  out.struct_size = CAI_PARALLEL_LAYOUT_STRUCT_SIZE;
+  ThrowIfError(strategy_.api->parallel_layout(instance_, &out));
+  std::vector<int64_t> mine = {out.data_parallel_rank, out.data_parallel_size,
+                               out.reports_loss ? 1 : 0, out.pipelines ? 1 : 0};
+  const int world = env_.world_size;
+  const std::vector<int64_t> all = GatherOverRanks(mine);
+  const std::string who = "strategy '" + strategy_.name + "' (parallel_layout)";
+  const auto fail = [&](const std::string& what) {
+    throw Error(CAI_FAILED_PRECONDITION, who + ": " + what + "; this is a bug in the strategy");
+  };
+  const int64_t size = all[1];
+  if (size < 1 || world % size != 0) {
+    fail("rank 0 reports data_parallel_size " + std::to_string(size) +
+         ", which does not divide the world of " + std::to_string(world) + " ranks");
+  }
+  // Per replica: its ranks, and how many of them report the loss.
+  std::vector<int64_t> members(size, 0), reporters(size, 0);
+  for (int r = 0; r < world; ++r) {
+    const int64_t* f = all.data() + r * mine.size();
+    if (f[1] != size) {
+      fail("rank " + std::to_string(r) + " reports data_parallel_size " + std::to_string(f[1]) +
+           " but rank 0 reports " + std::to_string(size));
+    }
+    if (f[0] < 0 || f[0] >= size) {
+      fail("rank " + std::to_string(r) + " reports data_parallel_rank " + std::to_string(f[0]) +
+           ", outside [0, " + std::to_string(size) + ")");
+    }
+    if (f[3] != all[3]) {
+      fail("rank " + std::to_string(r) + " says pipelines = " + (f[3] ? "true" : "false") +
+           " but rank 0 says " + (all[3] ? "true" : "false"));
+    }
+    ++members[f[0]];
+    reporters[f[0]] += f[2];
+  }
+  for (int64_t d = 0; d < size; ++d) {
+    if (members[d] != world / size) {
+      fail("replica " + std::to_string(d) + " has " + std::to_string(members[d]) +
+           " ranks; each of the " + std::to_string(size) + " replicas needs " +
+           std::to_string(world / size));
+    }
+    if (reporters[d] != 1) {
+      fail("replica " + std::to_string(d) + " has " + std::to_string(reporters[d]) +
+           " ranks with reports_loss; exactly one must report, or its loss is counted " +
+           (reporters[d] == 0 ? "nowhere" : "more than once"));
+    }
+  }
+  const cai_plugin_api* api = strategy_.api;
+  if (all[3] && !((api->capabilities & CAI_CAP_PIPELINE) && api->execute_pipeline)) {
+    fail(
+        "it asks for execute_pipeline (pipelines = true) but lacks CAI_CAP_PIPELINE or "
+        "execute_pipeline");
+  }
+  layout_ = {static_cast<int>(mine[0]), static_cast<int>(size), mine[2] != 0, mine[3] != 0};
+  if (env_.rank == 0) {
+    Log(CAI_LOG_INFO, "",
+        "layout: " + std::to_string(size) + " data-parallel replica(s) of " +
+            std::to_string(world / size) + " rank(s)" + (layout_.pipelines ? ", pipelined" : ""));
+  }
+  // The last replica holds the fewest rows: checking it makes every rank refuse alike.
+  Layout fewest = layout_;
+  fewest.dp_rank = layout_.dp_size - 1;
+  RankChunks(train_sampler_->GlobalBatchStarts(0), fewest, world, accum_);
+}
+
 double Run::Evaluate() {
   if (!eval_sampler_) return NAN;
   const int64_t batches = GetInt(*job_.train, "eval_batches");
   double local = 0;
   for (int64_t i = 0; i < batches; ++i) {
-    auto chunks = RankChunks(eval_sampler_->GlobalBatchStarts(i), env_.rank, env_.world_size, 1);
+    auto chunks = RankChunks(eval_sampler_->GlobalBatchStarts(i), layout_, env_.world_size, 1);
     data::Batch batch = eval_sampler_->Gather(chunks[0]);
     BatchTensors t(batch);
     double loss = 0;
@@ -438,9 +561,56 @@ double Run::Evaluate() {
     } else {
       loss = model_->ForwardBackward(t.tokens, t.targets, false);
     }
-    local += loss * static_cast<double>(batch.rows) / static_cast<double>(global_batch_);
+    if (layout_.reports_loss) {
+      local += loss * static_cast<double>(batch.rows) / static_cast<double>(global_batch_);
+    }
   }
   return SumOverRanks(local) / static_cast<double>(batches);
+}
+
+// Forward and backward of this replica's rows of step `step` (1-based): one forward_backward
+// per micro-batch, or one execute_pipeline with all of them. Returns this rank's share of the
+// step's loss, Σ mean loss × loss_weight (meaningful where the layout reports the loss).
+double Run::StepLoss(int64_t step) {
+  auto chunks =
+      RankChunks(train_sampler_->GlobalBatchStarts(step - 1), layout_, env_.world_size, accum_);
+  // Kept in place for the call: the micro-batches point into them.
+  std::vector<data::Batch> batches;
+  std::vector<std::unique_ptr<BatchTensors>> tensors;
+  std::vector<double> losses(accum_, 0.0);
+  std::vector<cai_micro_batch> micro_batches(accum_);
+  batches.reserve(accum_);
+  for (int64_t i = 0; i < accum_; ++i) {
+    batches.push_back(train_sampler_->Gather(chunks[i]));
+    data::Batch& batch = batches.back();
+    batch.loss_weight = static_cast<double>(batch.rows) / static_cast<double>(global_batch_);
+    tensors.push_back(std::make_unique<BatchTensors>(batch));
+    cai_micro_batch& mb = micro_batches[i];
+    mb.struct_size = CAI_MICRO_BATCH_STRUCT_SIZE;
+    mb.tokens = &tensors.back()->tokens;
+    mb.targets = &tensors.back()->targets;
+    mb.loss_weight = batch.loss_weight;
+    mb.loss = &losses[i];
+  }
+  if (layout_.pipelines) {
+    double loss = 0;
+    cai_pipeline_args args{};
+    args.struct_size = CAI_PIPELINE_ARGS_STRUCT_SIZE;
+    args.micro_batches = micro_batches.data();
+    args.num_micro_batches = static_cast<int32_t>(accum_);
+    args.loss = &loss;
+    ThrowIfError(strategy_.api->execute_pipeline(instance_, &args));
+    return loss;
+  }
+  double local_loss = 0;
+  for (int64_t i = 0; i < accum_; ++i) {
+    if (strategy_.api->no_sync && accum_ > 1) {
+      ThrowIfError(strategy_.api->no_sync(instance_, i + 1 < accum_));
+    }
+    ThrowIfError(strategy_.api->forward_backward(instance_, &micro_batches[i]));
+    local_loss += losses[i] * micro_batches[i].loss_weight;
+  }
+  return local_loss;
 }
 
 void Run::SaveCheckpoint(int64_t step) {
@@ -505,12 +675,13 @@ void AddMean(JsonObject& object, const char* key, int64_t sum, int64_t steps) {
 void Run::WriteSummary(double wall_s) {
   // Per-rank figures travel to rank 0 in one all-gather: peak bytes per tier, peak RSS, bytes
   // handed to each collective and bytes sent on the wire for it, summed over the steps (-1:
-  // not measurable, e.g. NCCL), and what the strategy holds (sharding strategies hold
-  // different amounts on different ranks).
+  // not measurable, e.g. NCCL), what the strategy holds (sharding strategies hold different
+  // amounts on different ranks), and LibTorch's own allocations (peak, and live now).
   constexpr size_t kHanded = CAI_MEM_NUM_TIERS + 1;
   constexpr size_t kWire = kHanded + CAI_COMM_NUM_OPS;
   constexpr size_t kStats = kWire + CAI_COMM_NUM_OPS;
-  constexpr size_t kFields = kStats + 4;
+  constexpr size_t kFramework = kStats + 4;
+  constexpr size_t kFields = kFramework + 2;
   cai_strategy_stats stats{};
   stats.struct_size = CAI_STRATEGY_STATS_STRUCT_SIZE;
   ThrowIfError(strategy_.api->stats(instance_, &stats));
@@ -519,6 +690,9 @@ void Run::WriteSummary(double wall_s) {
   mine[kStats + 1] = static_cast<int64_t>(stats.grad_bytes);
   mine[kStats + 2] = static_cast<int64_t>(stats.optimizer_state_bytes);
   mine[kStats + 3] = static_cast<int64_t>(stats.master_bytes);
+  const FrameworkMemory framework = FrameworkMemoryUsage();
+  mine[kFramework + 0] = static_cast<int64_t>(framework.peak_bytes);
+  mine[kFramework + 1] = static_cast<int64_t>(framework.current_bytes);
   for (int tier = 0; tier < CAI_MEM_NUM_TIERS; ++tier) {
     cai_mem_usage usage{};
     usage.struct_size = CAI_MEM_USAGE_STRUCT_SIZE;
@@ -530,20 +704,7 @@ void Run::WriteSummary(double wall_s) {
     mine[kHanded + op] = static_cast<int64_t>(handed_sum_[op]);
     mine[kWire + op] = unmeasured_calls_[op] > 0 ? -1 : static_cast<int64_t>(wire_sum_[op]);
   }
-  std::vector<int64_t> all(kFields * env_.world_size);
-  if (env_.world_size == 1) {
-    all = mine;
-  } else {
-    int64_t in_n = kFields, out_n = all.size(), stride = 1;
-    cai_tensor in{mine.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &in_n, &stride, 0};
-    cai_tensor out{all.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &out_n, &stride, 0};
-    cai_comm_args args{};
-    args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-    args.op = CAI_COMM_ALL_GATHER;
-    args.input = &in;
-    args.output = &out;
-    ThrowIfError(CommApi()->run(&args, nullptr));
-  }
+  const std::vector<int64_t> all = GatherOverRanks(mine);
   if (env_.rank != 0) return;
 
   std::vector<double> sorted = step_times_;
@@ -563,6 +724,8 @@ void Run::WriteSummary(double wall_s) {
                         .Add("rank", r)
                         .AddRaw("peak_bytes", peak.str())
                         .Add("peak_rss_bytes", f[CAI_MEM_NUM_TIERS])
+                        .Add("framework_peak_bytes", f[kFramework + 0])
+                        .Add("framework_bytes_at_end", f[kFramework + 1])
                         .AddRaw("comm_bytes_per_step_mean", handed.str())
                         .AddRaw("wire_bytes_per_step_mean", wire.str())
                         .AddRaw("strategy_bytes", JsonObject()
@@ -614,32 +777,14 @@ int Run::Execute() {
   for (int64_t step = start_step_ + 1; step <= steps_; ++step) {
     const auto t0 = Clock::now();
     const CommBytes before = Counters();
-    auto chunks =
-        RankChunks(train_sampler_->GlobalBatchStarts(step - 1), env_.rank, env_.world_size, accum_);
-    double local_loss = 0;
-    for (int64_t i = 0; i < accum_; ++i) {
-      if (strategy_.api->no_sync && accum_ > 1) {
-        ThrowIfError(strategy_.api->no_sync(instance_, i + 1 < accum_));
-      }
-      data::Batch batch = train_sampler_->Gather(chunks[i]);
-      batch.loss_weight = static_cast<double>(batch.rows) / static_cast<double>(global_batch_);
-      BatchTensors t(batch);
-      double loss = 0;
-      cai_micro_batch mb{};
-      mb.struct_size = CAI_MICRO_BATCH_STRUCT_SIZE;
-      mb.tokens = &t.tokens;
-      mb.targets = &t.targets;
-      mb.loss_weight = batch.loss_weight;
-      mb.loss = &loss;
-      ThrowIfError(strategy_.api->forward_backward(instance_, &mb));
-      local_loss += loss * batch.loss_weight;
-    }
+    const double local_loss = StepLoss(step);
     cai_step_result result{};
     result.struct_size = CAI_STEP_RESULT_STRUCT_SIZE;
     ThrowIfError(strategy_.api->step(instance_, &result));
     ThrowIfError(strategy_.api->zero_grad(instance_));
     const CommBytes after = Counters();
-    const double loss = SumOverRanks(local_loss);
+    // One loss per replica counts: the global loss is the sum of the reporting ranks' shares.
+    const double loss = SumOverRanks(layout_.reports_loss ? local_loss : 0.0);
     const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
     if (step > start_step_ + 1 || steps_ - start_step_ == 1) step_times_.push_back(step_s);
     for (int op = 0; op < CAI_COMM_NUM_OPS; ++op) {
@@ -684,6 +829,9 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
   // step reuse it, as PyTorch's own CPU caching would.
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
   mallopt(M_TRIM_THRESHOLD, 512 << 20);
+  // Before any thread starts and any tensor exists: LibTorch's own allocations (activations,
+  // temporaries) are counted from here, for summary.json's framework_peak_bytes.
+  InstallFrameworkAllocator();
   InitLogging(env.rank, CAI_LOG_INFO, std::getenv("CAI_LAUNCHER") == nullptr);
   std::error_code ec;
   fs::create_directories(run_dir / "logs", ec);

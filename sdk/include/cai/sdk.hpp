@@ -30,8 +30,10 @@
 //   void Save(const cai_checkpoint_args&);  void Load(const cai_checkpoint_args&);
 //   void Stats(cai_strategy_stats&);
 // and optionally NoSync(bool), ExecutePipeline(const cai_pipeline_args&),
-//   Evaluate(const cai_micro_batch&) and
-//   static void EstimateMemory(const cai_memory_estimate_args&, cai_memory_estimate&).
+//   Evaluate(const cai_micro_batch&),
+//   static void EstimateMemory(const cai_memory_estimate_args&, cai_memory_estimate&) and
+//   ParallelLayout(cai_parallel_layout&) (ABI 1.3: replicas, which rank reports the loss,
+//   pipelining; the host calls it once after Boost).
 // Argument structs reach these methods normalised: fields the host did not send read as zero;
 // out structs are copied back only as far as the host's struct_size allows.
 #ifndef CAI_SDK_HPP_
@@ -627,6 +629,13 @@ cai_plugin_api MakeTable() {
   if constexpr (requires(T t, const cai_micro_batch& b) { t.Evaluate(b); }) {
     api.evaluate = [](cai_strategy* s, const cai_micro_batch* batch) {
       return WithArgs(batch, [&](const cai_micro_batch& b) { Self<T>(s)->Evaluate(b); });
+    };
+  }
+#endif
+#if CAI_ABI_MINOR >= 3
+  if constexpr (requires(T t, cai_parallel_layout & l) { t.ParallelLayout(l); }) {
+    api.parallel_layout = [](cai_strategy* s, cai_parallel_layout* out) {
+      return WithOut(out, [&](cai_parallel_layout& l) { Self<T>(s)->ParallelLayout(l); });
     };
   }
 #endif

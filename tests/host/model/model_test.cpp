@@ -160,6 +160,12 @@ TEST(Zoo, Gpt2_Metadata_NamesShapesGroupsRolesUnits) {
   EXPECT_EQ(m->UnitInfo(1).kind, CAI_UNIT_BLOCK);
   EXPECT_STREQ(m->UnitInfo(2).name, "blocks.1");
   EXPECT_EQ(m->UnitInfo(3).kind, CAI_UNIT_HEAD);
+  // Only the head reads a parameter another unit holds: the tied token embedding.
+  for (uint32_t u = 0; u < 3; ++u) EXPECT_EQ(m->UnitInfo(u).num_reads, 0u) << u;
+  const cai_unit_info head = m->UnitInfo(3);
+  ASSERT_EQ(head.num_reads, 1u);
+  EXPECT_EQ(head.reads[0], 0u);
+  EXPECT_STREQ(m->ParamInfo(head.reads[0]).name, "wte.weight");
   // wte, wpe + 12 per block + ln_f weight and bias.
   ASSERT_EQ(m->NumParams(), 2u + 2 * 12 + 2);
   std::set<std::string> names;
@@ -201,6 +207,7 @@ TEST(Zoo, Llama_Metadata_GroupedQueryShapes) {
   EXPECT_STREQ(head.name, "lm_head.weight");
   EXPECT_EQ(head.role, CAI_ROLE_LM_HEAD);
   EXPECT_EQ(head.unit, 3);
+  for (uint32_t u = 0; u < m->NumUnits(); ++u) EXPECT_EQ(m->UnitInfo(u).num_reads, 0u) << u;
   EXPECT_EQ(m->NumBuffers(), 0u);  // RoPE tables are not state
 }
 
@@ -292,11 +299,12 @@ TEST(Gpt2, TiedEmbedding_ExposedOnceAndGetsGradientFromBothUses) {
 
 // ---- Storage -------------------------------------------------------------------------------
 
-// The parameters a GPT-2 unit reads: its own, and for the head the tied embedding.
+// The parameters a unit reads: its own, and those of other units it reads (for GPT-2's head
+// the tied embedding).
 std::vector<uint32_t> ParamsUnitReads(const Model& m, uint32_t unit) {
   cai_unit_info u = m.UnitInfo(unit);
   std::vector<uint32_t> params(u.params, u.params + u.num_params);
-  if (unit == m.NumUnits() - 1) params.push_back(0);
+  params.insert(params.end(), u.reads, u.reads + u.num_reads);
   return params;
 }
 
@@ -628,6 +636,50 @@ TEST(Stages, TwoStagesForwardBackward_EqualWholeModelGradients) {
   }
 }
 
+// Evaluation through a pipeline: forward-only stages build no graph, so the last stage can run
+// again at once (nothing awaits a stage_backward), no gradient appears, and the losses are
+// those of a training forward.
+TEST(Stages, NoGradStageForward_KeepsNoGraphAndLeavesGradientsAlone) {
+  for (ModelConfig c : {Gpt2Config(), LlamaConfig()}) {
+    auto m = MakeZooModel(c, 91), whole = MakeZooModel(c, 91);
+    Batch batch;
+    const double expected = whole->ForwardBackward(batch.tokens.desc(), batch.targets.desc(), true);
+    cai_tensor tokens = batch.tokens.desc(), targets = batch.targets.desc();
+    const int32_t k = 2, n = int32_t(m->NumUnits());
+    int forwards = 0, backwards = 0;
+    m->AddHook(CAI_HOOK_PRE_FORWARD, -1, -1, [&](const cai_hook_event&) { ++forwards; });
+    m->AddHook(CAI_HOOK_GRAD_READY, -1, -1, [&](const cai_hook_event&) { ++backwards; });
+    Model::StageResult first = m->StageForward(0, k, &tokens, nullptr, nullptr, /*no_grad=*/true);
+    ASSERT_NE(first.output, nullptr);
+    cai_tensor hidden = Model::ActivationData(*first.output);
+    for (int i = 0; i < 2; ++i) {
+      Model::StageResult last = m->StageForward(k, n, nullptr, &targets, &hidden, true);
+      EXPECT_EQ(last.output, nullptr);
+      EXPECT_EQ(last.loss, expected) << m->Describe();
+    }
+    EXPECT_EQ(forwards, k + 2 * (n - k));  // hooks fire as in any forward
+    EXPECT_EQ(backwards, 0);
+    for (uint32_t i = 0; i < m->NumParams(); ++i) {
+      EXPECT_THROW(m->ParamGrad(i), Error) << m->ParamInfo(i).name;  // no gradient appeared
+    }
+    HostTensor<float> grad({2, 8, 32}, kF32);
+    cai_tensor grad_desc = grad.desc();
+    try {
+      m->StageBackward(first.output.get(), 0, &grad_desc, nullptr);
+      FAIL() << "a no_grad activation was back-propagated";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), CAI_FAILED_PRECONDITION);
+      EXPECT_NE(std::string(e.what()).find("no_grad stage_forward"), std::string::npos);
+    }
+    EXPECT_THROW(m->StageBackward(nullptr, 0, nullptr, nullptr), Error);  // none waits
+    // A training forward afterwards is micro-batch 0 and back-propagates as usual.
+    Model::StageResult trained = m->StageForward(k, n, nullptr, &targets, &hidden);
+    EXPECT_EQ(trained.loss, expected);
+    m->StageBackward(nullptr, 0, nullptr, &grad_desc);
+    EXPECT_GT(backwards, 0);
+  }
+}
+
 TEST(Stages, UnknownLastStageMicroBatch_IsNotFound) {
   auto m = MakeZooModel(Gpt2Config(), 1);
   try {
@@ -727,6 +779,66 @@ TEST(ModelApi, HookReturningError_AbortsForwardBackwardWithThatStatus) {
   EXPECT_NEAR(loss, std::log(64.0), 0.05);
 }
 
+// A plugin built from the 1.0 headers passes cai_unit_info and cai_stage_forward_args at
+// their 1.0 sizes: the host serves it within them and reads nothing newer.
+TEST(ModelApi, CallerWithAbi10StructSizes_IsServedWithinThem) {
+  auto m = MakeZooModel(Gpt2Config(), 2);
+  const cai_model_api* api = ModelApi();
+  cai_model* h = AsHandle(m.get());
+  constexpr size_t kUnitInfo10 = CAI_STRUCT_SIZE(cai_unit_info, numel);
+  cai_unit_info info;
+  std::memset(&info, 0xAB, sizeof info);  // the bytes past a 1.0 struct are not the host's
+  info.struct_size = kUnitInfo10;
+  info.extension_start = nullptr;
+  ASSERT_EQ(api->unit_info(h, 3, &info), nullptr);
+  EXPECT_EQ(info.struct_size, kUnitInfo10);
+  EXPECT_STREQ(info.name, "head");
+  EXPECT_EQ(info.num_params, 2u);
+  const auto* tail = reinterpret_cast<const unsigned char*>(&info) + kUnitInfo10;
+  EXPECT_TRUE(std::all_of(tail, tail + (sizeof info - kUnitInfo10),
+                          [](unsigned char b) { return b == 0xAB; }));
+  EXPECT_FALSE(CAI_HAS_FIELD(&info, cai_unit_info, reads));
+  cai_unit_info full{};
+  full.struct_size = CAI_UNIT_INFO_STRUCT_SIZE;
+  ASSERT_EQ(api->unit_info(h, 3, &full), nullptr);
+  ASSERT_TRUE(CAI_HAS_FIELD(&full, cai_unit_info, reads));
+  ASSERT_EQ(full.num_reads, 1u);
+  EXPECT_EQ(full.reads[0], 0u);
+
+  // A 1.0 stage_forward_args ends at `loss`: the byte where no_grad would be is not read, so
+  // the forward keeps its graph for the stage_backward that follows.
+  Batch batch;
+  cai_tensor tokens = batch.tokens.desc(), targets = batch.targets.desc();
+  double loss = 0;
+  cai_stage_forward_args args;
+  std::memset(&args, 1, sizeof args);
+  args.struct_size = CAI_STRUCT_SIZE(cai_stage_forward_args, loss);
+  args.extension_start = nullptr;
+  args.first_unit = 0;
+  args.last_unit = 4;
+  args.tokens = &tokens;
+  args.targets = &targets;
+  args.input = nullptr;
+  args.output = nullptr;
+  args.loss = &loss;
+  ASSERT_EQ(api->stage_forward(h, &args), nullptr);
+  EXPECT_NEAR(loss, std::log(64.0), 0.05);
+  cai_stage_backward_args b{
+      CAI_STAGE_BACKWARD_ARGS_STRUCT_SIZE, nullptr, nullptr, nullptr, nullptr, 0, 0.0};
+  ASSERT_EQ(api->stage_backward(h, &b), nullptr);
+  cai_tensor g{};
+  EXPECT_EQ(api->param_grad(h, 0, &g), nullptr);
+  // A 1.3 caller asking for no_grad gets a loss and no graph: nothing awaits a backward.
+  const double trained = loss;
+  args.struct_size = CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE;
+  args.no_grad = true;
+  ASSERT_EQ(api->stage_forward(h, &args), nullptr);
+  EXPECT_EQ(loss, trained);
+  b.micro_batch = 1;
+  StatusText s = Take(api->stage_backward(h, &b));
+  EXPECT_EQ(s.code, CAI_NOT_FOUND);
+}
+
 TEST(ModelApi, StageHandles_RoundTripThroughTheTable) {
   auto m = MakeZooModel(LlamaConfig(), 2);
   const cai_model_api* api = ModelApi();
@@ -734,14 +846,30 @@ TEST(ModelApi, StageHandles_RoundTripThroughTheTable) {
   Batch batch;
   cai_tensor tokens = batch.tokens.desc(), targets = batch.targets.desc();
   cai_activation* act = nullptr;
-  cai_stage_forward_args f{
-      CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE, nullptr, 0, 3, &tokens, nullptr, nullptr, &act, nullptr};
+  cai_stage_forward_args f{CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE,
+                           nullptr,
+                           0,
+                           3,
+                           &tokens,
+                           nullptr,
+                           nullptr,
+                           &act,
+                           nullptr,
+                           false};
   ASSERT_EQ(api->stage_forward(h, &f), nullptr);
   cai_tensor data{};
   ASSERT_EQ(api->activation_data(act, &data), nullptr);
   double loss = 0;
-  cai_stage_forward_args l{
-      CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE, nullptr, 3, 4, nullptr, &targets, &data, nullptr, &loss};
+  cai_stage_forward_args l{CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE,
+                           nullptr,
+                           3,
+                           4,
+                           nullptr,
+                           &targets,
+                           &data,
+                           nullptr,
+                           &loss,
+                           false};
   ASSERT_EQ(api->stage_forward(h, &l), nullptr);
   EXPECT_NEAR(loss, std::log(64.0), 0.05);
   HostTensor<float> grad({2, 8, 32}, kF32);

@@ -100,6 +100,7 @@ TEST(TorchScript, SavedModule_LoadsWithParametersAndTrains) {
   ASSERT_EQ(m->NumParams(), 3u);
   ASSERT_EQ(m->NumUnits(), 1u);
   EXPECT_EQ(m->UnitInfo(0).num_params, 3u);
+  EXPECT_EQ(m->UnitInfo(0).num_reads, 0u);  // one unit: nothing crosses
   EXPECT_STREQ(m->ParamInfo(0).name, "emb");
   EXPECT_STREQ(m->ParamInfo(1).name, "head.weight");
   EXPECT_STREQ(m->ParamInfo(1).module_path, "head");

@@ -103,6 +103,42 @@ TEST(Train, Reference_LossFallsAndRunDirIsComplete) {
   CAI_EXPECT_CONTAINS(r.output, "cai: metrics in " + (dir / "metrics.jsonl").string());
 }
 
+// summary.json's framework_peak_bytes counts what LibTorch allocates for itself. The rows a
+// doubled batch adds bring at least their logits [rows, T, V] and one hidden state [rows, T, C]
+// per block in fp32 (the forward keeps both for backward), so the peak grows by at least that
+// (measured: about 6 times more); it never exceeds the process's peak RSS, and what is live at
+// the end (the model's parameters and gradients) is within the peak.
+TEST(Train, FrameworkPeakBytes_GrowWithTheBatchBelowPeakRss) {
+  struct Figures {
+    double peak = 0, at_end = 0, rss = 0;
+  };
+  const auto run = [](int global_batch) {
+    TempDir dir;
+    Result r =
+        Train(std::string(TINY_JOB) + " --run-dir " + dir.str() +
+              " --set train.steps=2 --set train.global_batch=" + std::to_string(global_batch));
+    EXPECT_EQ(r.code, 0) << r.output;
+    const std::string summary = ReadFile((dir / "summary.json").string());
+    const auto number = [&](const std::string& key) {
+      std::smatch m;
+      EXPECT_TRUE(std::regex_search(summary, m, std::regex("\"" + key + "\": ([0-9]+)")))
+          << key << " missing from " << summary;
+      return m.empty() ? 0.0 : std::stod(m[1]);
+    };
+    return Figures{number("framework_peak_bytes"), number("framework_bytes_at_end"),
+                   number("peak_rss_bytes")};
+  };
+  const Figures eight = run(8), sixteen = run(16);
+  constexpr double kT = 32, kC = 32, kV = 256, kLayers = 2;  // tiny.toml
+  const double added_rows = 8 * kT * (kV + kLayers * kC) * sizeof(float);
+  EXPECT_GE(sixteen.peak - eight.peak, added_rows) << eight.peak << " -> " << sixteen.peak;
+  for (const Figures& f : {eight, sixteen}) {
+    EXPECT_GT(f.at_end, 0);
+    EXPECT_LE(f.at_end, f.peak);
+    EXPECT_LT(f.peak, f.rss);
+  }
+}
+
 TEST(Train, NoJobFile_TrainsTheBuiltInDefaultsWithTheOverrides) {
   // Every key at its default (`cai train --help-keys`) but a model and batch small enough for
   // one quick step; the run directory is named for the defaults.

@@ -280,6 +280,39 @@ TEST(DdpParity, Ddp_TwoRanks_ResumeFromCheckpointMatchesUninterruptedRun) {
   }
 }
 
+// The step epilogue's common meta keys ("train.step"): a checkpoint ddp saved on 2 ranks
+// resumes under the reference on 1, and the reference's under ddp on 2, each going on as the
+// uninterrupted reference does.
+TEST(DdpParity, CheckpointOfAnotherStrategy_ResumesWhereItStopped) {
+  const RunResult whole = Reference("cross_whole", {"optimizer.decay_steps=6"});
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const struct {
+    const char* name;
+    const char* first;
+    int first_ranks;
+    const char* second;
+    int second_ranks;
+  } cases[] = {{"cross_ddp_then_none", "ddp", 2, "none", 1},
+               {"cross_none_then_ddp", "none", 1, "ddp", 2}};
+  for (const auto& c : cases) {
+    const RunResult first =
+        Train(c.name, c.first_ranks,
+              {"train.steps=3", "optimizer.decay_steps=6", std::string("plugin.name=") + c.first});
+    ASSERT_EQ(first.exit_code, 0) << first.output;
+    const RunResult resumed = cai::testing::RunTrain(
+        fs::path(CAI_DDP_TEST_RUNS) / c.name, cai::testing::kTinyGptJob, c.second_ranks,
+        {"optimizer.decay_steps=6", "checkpoint.resume=true",
+         std::string("plugin.name=") + c.second},
+        CAI_DDP_MANIFEST, /*resume=*/true, "resumed.txt");
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    EXPECT_NE(resumed.output.find("(step 3, saved by " + std::to_string(c.first_ranks)),
+              std::string::npos)
+        << resumed.output;
+    SCOPED_TRACE(c.name);
+    ExpectMatches(whole, resumed, kFp32Tolerance);
+  }
+}
+
 // Mixed precision against the reference in the same precision. The reference reduces nothing;
 // ddp sums 16-bit buckets over ranks (in fp32, rounded to 16 bits once per ring step), so its
 // gradients differ from the reference's by 16-bit rounding, which the fp32 masters carry on.

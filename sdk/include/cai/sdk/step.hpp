@@ -48,6 +48,9 @@ struct StepDecision {
 
 class StepEpilogue {
  public:
+  // Prefix of the checkpoint meta keys every SDK strategy shares ("train.step").
+  static constexpr const char* kCommonPrefix = "train";
+
   // `max_norm` > 0 overrides optimizer.max_grad_norm (a plugin's own clipping key).
   explicit StepEpilogue(cai_optimizer* optimizer = nullptr, double max_norm = 0)
       : optimizer_(optimizer), max_norm_(max_norm) {}
@@ -110,25 +113,35 @@ class StepEpilogue {
     return step_;
   }
 
-  // The step count and loss scaler as checkpoint metadata "<prefix>.step" and
-  // "<prefix>.loss_scaler", so a resumed run continues bit for bit.
+  // The step count and loss scaler as checkpoint metadata under the common keys "train.step"
+  // and "train.loss_scaler", which every SDK strategy reads, so one strategy resumes another's
+  // optimizer state; and under "<prefix>.step" and "<prefix>.loss_scaler" as well, for hosts
+  // and strategies that predate the common keys. Meta keys are unique per checkpoint across
+  // ranks: call it on one rank.
   void Save(cai_checkpoint* ckpt, const std::string& prefix) const {
-    Check(Host().checkpoint->write_meta(ckpt, (prefix + ".step").c_str(),
-                                        std::to_string(step_).c_str()));
-    if (scaler_) SaveLossScalerState(*scaler_, ckpt, (prefix + ".loss_scaler").c_str());
+    SaveUnder(ckpt, kCommonPrefix);
+    if (prefix != kCommonPrefix) SaveUnder(ckpt, prefix);
   }
-  // A checkpoint saved without loss scaling (fp32, bf16) resumes an fp16 run at the
-  // configured initial scale.
+  // Reads "train.*" first and falls back to "<prefix>.*" (checkpoints written before the
+  // common keys). A checkpoint saved without loss scaling (fp32, bf16) resumes an fp16 run at
+  // the configured initial scale.
   void Load(cai_checkpoint* ckpt, const std::string& prefix) {
-    const std::string key = prefix + ".step";
-    const std::optional<std::string> step = ReadMetaIfPresent(ckpt, key.c_str());
+    const std::string common = std::string(kCommonPrefix) + ".step", own = prefix + ".step";
+    std::optional<std::string> step = ReadMetaIfPresent(ckpt, common.c_str());
+    std::string found = kCommonPrefix;
     if (!step) {
-      throw Error(CAI_NOT_FOUND, prefix + ": the checkpoint has no meta '" + key +
-                                     "': another strategy wrote its optimizer state; resume it "
-                                     "with that strategy (plugin.name)");
+      step = ReadMetaIfPresent(ckpt, own.c_str());
+      found = prefix;
+    }
+    if (!step) {
+      throw Error(CAI_NOT_FOUND, prefix + ": the checkpoint has neither meta '" + common +
+                                     "' nor '" + own +
+                                     "': a strategy that keeps its step under its own name "
+                                     "wrote its optimizer state; resume it with that strategy "
+                                     "(plugin.name)");
     }
     step_ = std::stoll(*step);
-    const std::string scaler_key = prefix + ".loss_scaler";
+    const std::string scaler_key = found + ".loss_scaler";
     if (scaler_ && ReadMetaIfPresent(ckpt, scaler_key.c_str())) {
       LoadLossScalerState(*scaler_, ckpt, scaler_key.c_str());
     }
@@ -141,6 +154,12 @@ class StepEpilogue {
   }
 
  private:
+  void SaveUnder(cai_checkpoint* ckpt, const std::string& prefix) const {
+    Check(Host().checkpoint->write_meta(ckpt, (prefix + ".step").c_str(),
+                                        std::to_string(step_).c_str()));
+    if (scaler_) SaveLossScalerState(*scaler_, ckpt, (prefix + ".loss_scaler").c_str());
+  }
+
   double LearningRate(int64_t step) const {
     return optimizer_ ? Host().optimizer->lr_at(optimizer_, 0, step) : 0;
   }

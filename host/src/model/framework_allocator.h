@@ -1,0 +1,30 @@
+// Bytes LibTorch allocates on the CPU for itself: activations, temporaries, autograd's saved
+// tensors, and parameters and gradients while the model owns them. The memory pool
+// (mem/pool.h) accounts for what strategies allocate through cai_mem_api; this accounts for the
+// rest, which is most of a step's peak. Counted by a wrapper in front of c10's CPU allocator
+// (framework_allocator.cpp, the one file that touches c10's allocator interface).
+//
+// Only allocations made after InstallFrameworkAllocator are counted, and only their frees
+// subtracted. Host-side only: the ABI does not carry these figures (yet). Thread-safe.
+#pragma once
+
+#include <cstdint>
+
+namespace cai {
+
+struct FrameworkMemory {
+  uint64_t current_bytes = 0;  // live bytes allocated through the counting allocator
+  uint64_t peak_bytes = 0;     // the most live at once since install or ResetFrameworkPeak
+};
+
+// Puts the counting allocator in front of LibTorch's CPU allocator, once per process (later
+// calls do nothing). Call before the process starts threads that allocate tensors: c10 does not
+// synchronise the switch.
+void InstallFrameworkAllocator();
+bool FrameworkAllocatorInstalled();
+
+FrameworkMemory FrameworkMemoryUsage();
+// The peak restarts from what is live now.
+void ResetFrameworkPeak();
+
+}  // namespace cai

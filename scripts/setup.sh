@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs every Debian 12 package cai's build, tests and benchmarks need, selects the OpenMP
-# OpenBLAS for LibTorch (the reference BLAS makes a GPT step >10x slower), and is safe to run
-# again. Needs root (or sudo).
+# Installs every Debian 12 package cai's build and tests need, selects the OpenMP OpenBLAS for
+# LibTorch (the reference BLAS makes a GPT step >10x slower), and is safe to run again. With
+# --bench also what the benchmarks' PyTorch peers need (python3-torch). Needs root (or sudo).
+# usage: scripts/setup.sh [--bench]
 set -euo pipefail
 
 packages=(
@@ -13,6 +14,12 @@ packages=(
   rpm lintian dpkg-dev fakeroot  # deb/rpm packaging and its test
   clang-format            # the style test
 )
+if [[ ${1:-} == --bench ]]; then
+  packages+=(python3-torch)  # bench/peers: PyTorch 1.13 DDP, ZeRO and 1F1B on Gloo
+elif [[ $# -gt 0 ]]; then
+  echo "usage: scripts/setup.sh [--bench]" >&2
+  exit 2
+fi
 
 sudo=()
 [[ $(id -u) -eq 0 ]] || sudo=(sudo)

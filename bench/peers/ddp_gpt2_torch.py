@@ -139,16 +139,16 @@ def parser(description):
     return p
 
 
-def launch(args, *rank_args):
-    """Runs rank_main(rank, args, port, results, *rank_args) on args.nproc processes; prints
-    rank 0's JSON line."""
+def launch(args, *rank_args, fn=None):
+    """Runs fn(rank, args, port, results, *rank_args) (default: rank_main) on args.nproc
+    processes; prints rank 0's JSON line."""
     if args.port == 0:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(rank_main, args=(args, args.port, results) + rank_args,
+    mp.start_processes(fn or rank_main, args=(args, args.port, results) + rank_args,
                        nprocs=args.nproc, start_method="spawn")
     print(json.dumps(results.get()))
 

@@ -270,6 +270,8 @@ class Work {
     if (work_) Check(Host().comm->work_wait(work_, timeout_ms));
   }
   bool valid() const { return work_ != nullptr; }
+  // Non-blocking: whether the operation has completed (an empty handle has).
+  bool Done() const { return !work_ || Host().comm->work_is_completed(work_); }
 
  private:
   cai_comm_work* work_ = nullptr;

@@ -1,0 +1,98 @@
+#!/usr/bin/python3
+"""libcai_hybrid_parallel's pipeline (pp_size 2, 1F1B) against a hand-written PyTorch 1F1B peer
+(bench/peers/pp_gpt2_torch.py: the same GPT-2, stage split, micro-batches, AdamW and clipping
+on Gloo isend/irecv), and the pipeline bubble measured against its formula.
+
+Protocol as bench/ddp_bench.py: 2 ranks on this machine, one thread per rank, the runs of a
+pair one after the other so that load drifting on a shared machine hits both alike; each figure
+is the median over pairs of the per-pair ratio with its min-max range. Per run: tokens/s
+(global tokens per step over the median step time after the first step, the same definition on
+both sides) and the largest peak RSS of a rank.
+
+Bubble: cai's plugin logs each pipeline rank's busy time (inside its stages' forward and
+backward) over the time in execute_pipeline; 1 - busy/total is the measured bubble fraction,
+compared with 1F1B's (p - 1)/(m + p - 1) and interleaved's (p - 1)/(v·m + p - 1) at
+m = 4, 8, 16 (--bubble).
+
+usage: bench/pp_bench.py BUILD_DIR [--pairs 5] [--steps 12] [--microbatches 8]
+                         [job sizes of ddp_bench.py] [--bubble]
+"""
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ddp_bench import add_job_options, environment, peer_command, run_peer_command, JOB
+
+
+def run_cai(build, args, work, index, m, extra=""):
+    job = work / "job.toml"
+    job.write_text(JOB.format(**vars(args)) +
+                   f"\n[plugin.hybrid_parallel]\npp_size = 2\n{extra}")
+    run_dir = work / f"cai-{index}"
+    env = dict(environment(args),
+               CAI_PLUGIN_FILES=str(build / "lib" / "cai" / "plugins" / "hybrid_parallel.toml"))
+    subprocess.run([str(build / "bin" / "cai"), "train", str(job), "--nproc", "2", "--run-dir",
+                    str(run_dir), "--set", "plugin.name=hybrid_parallel", "--set",
+                    f"train.grad_accum={m}"], env=env, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=900)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    bubbles = []
+    for log in sorted((run_dir / "logs").glob("rank-*.log")):
+        found = re.search(r"bubble fraction ([0-9.e-]+)", log.read_text())
+        if found:
+            bubbles.append(float(found.group(1)))
+    return {"tokens_per_s": summary["tokens_per_s"],
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in summary["ranks"]),
+            "bubble": bubbles, "blas": summary["blas"]}
+
+
+def spread(values):
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("build", type=Path)
+    add_job_options(p)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--bubble", action="store_true", help="also measure the bubble at m=4,8,16")
+    args = p.parse_args()
+    build = args.build.resolve()
+    m = args.microbatches
+    tok, rss = [], []
+    print(f"{'pair':>4} {'cai tok/s':>10} {'torch':>8} {'ratio':>6} {'cai RSS MiB':>11} "
+          f"{'torch':>7} {'cai bubble':>16}")
+    with tempfile.TemporaryDirectory(prefix="pp_bench_") as tmp:
+        for i in range(args.pairs):
+            cai = run_cai(build, args, Path(tmp), i, m)
+            cmd = peer_command(args, "pp_gpt2_torch.py") + ["--microbatches", str(m)]
+            torch = run_peer_command(args, cmd)
+            tok.append(cai["tokens_per_s"] / torch["tokens_per_s"])
+            rss.append(cai["peak_rss_bytes"] / torch["peak_rss_bytes"])
+            mib = 2 ** 20
+            print(f"{i + 1:>4} {cai['tokens_per_s']:>10.0f} {torch['tokens_per_s']:>8.0f} "
+                  f"{tok[-1]:>6.3f} {cai['peak_rss_bytes'] / mib:>11.1f} "
+                  f"{torch['peak_rss_bytes'] / mib:>7.1f} "
+                  f"{str([round(b, 3) for b in cai['bubble']]):>16}", flush=True)
+        print(f"BLAS (cai rank 0; the peer's torch loads the same libblas.so.3): {cai['blas']}")
+        print(f"tokens/s cai/torch 1F1B: median {spread(tok)} (target >= 1.2); "
+              f"peak RSS cai/torch: median {spread(rss)} (target <= 1)")
+        if args.bubble:
+            print(f"\n{'schedule':>12} {'m':>3} {'measured bubble (rank 0, rank 1)':>34} "
+                  f"{'formula':>8}")
+            for style, v in (("1f1b", 1), ("interleaved", 2)):
+                for mb in (4, 8, 16):
+                    extra = (f'pp_style = "interleaved"\nnum_model_chunks = {v}\n'
+                             if v > 1 else "")
+                    r = run_cai(build, args, Path(tmp), f"bubble-{style}-{mb}", mb, extra)
+                    formula = (2 - 1) / (v * mb + 2 - 1)
+                    print(f"{style:>12} {mb:>3} {str([round(b, 3) for b in r['bubble']]):>34} "
+                          f"{formula:>8.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1003 @@
+// libcai_hybrid_parallel: pipeline parallelism with data parallelism across pipelines, as
+// ColossalAI's HybridParallelPlugin (tensor and sequence parallelism are still refused: tp_size
+// and sp_size must be 1).
+//
+// Mesh. The world is pp_size × dp_size ranks, pipeline stages innermost (ColossalAI's
+// dp-outside order): world rank = dp_rank · pp_size + pp_rank. A pipeline is pp_size
+// consecutive ranks; a data-parallel group holds the ranks of one stage position across the
+// pipelines.
+//
+// Stages. The model's transformer blocks are spread over S = pp_size · num_model_chunks
+// virtual stages (ColossalAI's distribute_layers: an even split, the remainder given to the
+// middle stages; or num_layers_per_stage); the units before the first block (the embedding) join
+// virtual stage 0, those after the last (final norm, head) the last one. Virtual stage v runs on
+// pipeline rank v mod pp_size, so with num_model_chunks = c each rank holds c chunks of the
+// model (the interleaved schedule). A rank keeps only the parameters its chunks hold or read
+// (GPT-2's head reads the token embedding held by stage 0): after boost the others are released.
+//
+// A parameter several pipeline ranks need (the tied embedding) is held by each of them and
+// kept identical: broadcast from the holder at boost, its gradients summed over those ranks
+// after backward (ColossalAI's sync_shared_params), then updated identically everywhere. Only
+// its holder counts it in the gradient norm and writes it to checkpoints.
+//
+// One step (execute_pipeline, pp_size > 1), per rank, for the m micro-batches of its replica:
+//  schedule  1f1b: min(p - r - 1, m) warm-up forwards, then one forward one backward, then the
+//            remaining backwards (Narayanan et al., PipeDream-Flush); interleaved: Megatron-LM's
+//            schedule over its chunks (Narayanan et al., SC'21), m a multiple of pp_size.
+//  forward   stage 0 takes the tokens; every other virtual stage receives its input activation
+//            from the previous one (send/recv on the pipeline group, in fp32, bf16 under bf16);
+//            the last computes the loss, weighted by the micro-batch's share of the global batch.
+//  backward  the last stage starts from loss · weight · loss_scale; every other receives the
+//            gradient of its output and sends its input's gradient back.
+//  step      tied gradients summed; gradients reduced over the data-parallel group (zero_stage
+//            0: DDP buckets; 1: ZeRO-1's reduce-scatter) and the step's agreement (Σ g², fp16
+//            overflow, used parameters) settled over the whole world; update; (ZeRO: all-gather).
+// Activation memory: under 1F1B a rank holds at most p - r micro-batches' activations at once,
+// not m (interleaved: about (p - r - 1)·2 + (c - 1)·p + 1 chunk activations).
+//
+// pp_size = 1 is pure data parallelism: forward_backward per micro-batch with the DDP reducer's
+// overlap and no_sync (or ZeRO-1/2 over the world).
+//
+// Checkpoints use the canonical layout ("model/<name>", "optim/<name>/<slot>", docs/
+// checkpoint-layout.md): each stage's data-parallel rank 0 writes the parameters its stage
+// holds (a tied one by its holder only), so any pp × dp, and every data-parallel strategy, loads
+// them.
+#include <algorithm>
+#include <array>
+#include <cai/sdk.hpp>
+#include <cai/sdk/bucket_reducer.hpp>
+#include <cai/sdk/collectives.hpp>
+#include <cai/sdk/flat.hpp>
+#include <cai/sdk/step.hpp>
+#include <cai/sdk/zero.hpp>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+namespace sdk = cai::sdk;
+using sdk::Buffer;
+using sdk::Check;
+using sdk::Error;
+using sdk::Host;
+using Clock = std::chrono::steady_clock;
+
+constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
+const char* const kPipelineStyles[] = {"1f1b", "interleaved", nullptr};
+
+// One operation of a rank's schedule: the forward or backward of micro-batch `mb` through its
+// model chunk `chunk`.
+struct Op {
+  bool forward;
+  int32_t mb;
+  int32_t chunk;
+};
+
+// A rank's order of operations (see the header comment).
+std::vector<Op> PipelineSchedule(int32_t pp, int32_t rank, int32_t m, int32_t chunks) {
+  std::vector<Op> ops;
+  if (chunks == 1) {
+    const int32_t warmup = std::min(pp - rank - 1, m);
+    for (int32_t i = 0; i < warmup; ++i) ops.push_back({true, i, 0});
+    for (int32_t i = 0; i < m - warmup; ++i) {
+      ops.push_back({true, warmup + i, 0});
+      ops.push_back({false, i, 0});
+    }
+    for (int32_t i = m - warmup; i < m; ++i) ops.push_back({false, i, 0});
+    return ops;
+  }
+  // Megatron-LM's interleaved order: the k-th forward (backward) of a rank runs micro-batch
+  // (k / (p·c))·p + k mod p through chunk (k / p) mod c (backward: c - 1 - that).
+  const int32_t total = m * chunks;
+  auto mb = [&](int32_t k) { return (k / (pp * chunks)) * pp + k % pp; };
+  auto chunk = [&](int32_t k, bool forward) {
+    const int32_t c = (k / pp) % chunks;
+    return forward ? c : chunks - 1 - c;
+  };
+  const int32_t warmup = m == pp ? total : std::min(total, (pp - rank - 1) * 2 + (chunks - 1) * pp);
+  for (int32_t k = 0; k < warmup; ++k) ops.push_back({true, mb(k), chunk(k, true)});
+  for (int32_t i = 0; i < total - warmup; ++i) {
+    ops.push_back({true, mb(warmup + i), chunk(warmup + i, true)});
+    ops.push_back({false, mb(i), chunk(i, false)});
+  }
+  for (int32_t k = total - warmup; k < total; ++k) ops.push_back({false, mb(k), chunk(k, false)});
+  return ops;
+}
+
+// ColossalAI's distribute_layers: `layers` blocks over `stages` virtual stages, evenly, the
+// remainder to the middle stages.
+std::vector<int32_t> DistributeLayers(int32_t layers, int32_t stages) {
+  std::vector<int32_t> per(stages, layers / stages);
+  const int32_t remainder = layers % stages;
+  const int32_t start = stages / 2 - remainder / 2;
+  for (int32_t i = start; i < start + remainder; ++i) ++per[i];
+  return per;
+}
+
+class HybridParallel {
+ public:
+  static constexpr const char* kName = "hybrid_parallel";
+  static constexpr const char* kVersion = "0.1.0";
+  static constexpr uint64_t kCapabilities = CAI_CAP_PRECISION_FP32 | CAI_CAP_PRECISION_BF16 |
+                                            CAI_CAP_PRECISION_FP16 | CAI_CAP_NO_SYNC |
+                                            CAI_CAP_PIPELINE;
+
+  // HybridParallelPlugin's keys with its defaults where they exist.
+  static std::span<const cai_config_key> ConfigKeys() {
+    using sdk::BoolKey;
+    using sdk::FloatKey;
+    using sdk::IntKey;
+    using sdk::StringKey;
+    constexpr uint64_t kMin = CAI_CONFIG_HAS_MIN;
+    static constexpr auto kKeys = sdk::JoinKeys(
+        std::array{
+            IntKey("tp_size", "1", "Tensor-parallel degree; only 1 until tensor parallelism lands.",
+                   1, 0, kMin),
+            IntKey("sp_size", "1",
+                   "Sequence-parallel degree; only 1 until sequence parallelism lands.", 1, 0,
+                   kMin),
+            IntKey("pp_size", "1",
+                   "Pipeline stages; the world must be a multiple of it (the rest is data "
+                   "parallelism).",
+                   1, 0, kMin),
+            StringKey("pp_style", "\"1f1b\"",
+                      "1f1b: one forward one backward (PipeDream-Flush); interleaved: "
+                      "num_model_chunks chunks per rank (Megatron-LM), fewer bubbles.",
+                      kPipelineStyles),
+            IntKey("num_model_chunks", "1",
+                   "Model chunks per pipeline rank; > 1 needs pp_style = \"interleaved\".", 1, 0,
+                   kMin),
+            IntKey("num_microbatches", "0",
+                   "Micro-batches per step; 0 = train.grad_accum, which it must equal otherwise.",
+                   0, 0, kMin),
+            IntKey("microbatch_size", "0",
+                   "Rows per micro-batch; 0 = what train.global_batch, the data-parallel size "
+                   "and train.grad_accum give, which it must equal otherwise.",
+                   0, 0, kMin),
+            StringKey("num_layers_per_stage", "\"\"",
+                      "Transformer blocks per virtual stage, comma-separated (\"3,3,2\"); empty: "
+                      "an even split, the remainder to the middle stages."),
+            IntKey("zero_stage", "0",
+                   "0: gradients all-reduced (DDP buckets); 1: ZeRO-1 over the data-parallel "
+                   "group; 2: ZeRO-2, only without pipelining (pp_size = 1).",
+                   0, 2, kMin | CAI_CONFIG_HAS_MAX),
+            BoolKey("overlap_p2p", "true",
+                    "Post the next operation's receive before running the current one, so "
+                    "activations arrive behind compute."),
+            FloatKey("max_norm", "0.0",
+                     "Clip gradients to this global L2 norm across every stage and rank (0 = "
+                     "optimizer.max_grad_norm).",
+                     0, 0, kMin),
+            FloatKey("ddp_bucket_cap_mb", "25", "zero_stage 0: gradient bucket size in MiB.", 0, 0,
+                     kMin),
+            BoolKey("find_unused_parameters", "false",
+                    "zero_stage 0: allow parameters without a gradient in a step."),
+            BoolKey("gradient_as_bucket_view", "false",
+                    "zero_stage 0: make each .grad a view into its bucket."),
+            BoolKey("static_graph", "false",
+                    "zero_stage 0: the used parameters never change (learned in the first step)."),
+            FloatKey("zero_bucket_size_in_m", "12",
+                     "zero_stage 1/2: bucket size in millions (2^20) of elements.", 0, 0, kMin),
+            BoolKey("overlap_communication", "true",
+                    "zero_stage 1/2: reduce-scatter during backward where the schedule allows."),
+            BoolKey("overlap_allgather", "false",
+                    "zero_stage 1/2: all-gather the updated parameters asynchronously."),
+            BoolKey("cpu_offload", "false",
+                    "zero_stage 1/2: fp32 masters and optimizer state on the host tier."),
+        },
+        sdk::LossScalerKeys("65536.0", "fp16: initial loss scale (2^16, ColossalAI's)."));
+    return kKeys;
+  }
+
+  explicit HybridParallel(const cai_create_args& args)
+      : world_rank_(args.rank), world_(args.world_size) {
+    sdk::Config config(args.config);
+    if (config.Int("tp_size") != 1 || config.Int("sp_size") != 1) {
+      throw Error(CAI_UNIMPLEMENTED,
+                  "hybrid_parallel: tp_size and sp_size must be 1: tensor and sequence "
+                  "parallelism are not in this version yet; use pp_size and data parallelism");
+    }
+    pp_ = static_cast<int32_t>(config.Int("pp_size"));
+    if (world_ % pp_ != 0) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "hybrid_parallel: pp_size = " + std::to_string(pp_) +
+                      " does not divide the world of " + std::to_string(world_) +
+                      " ranks; use a divisor of it (the rest of the world is data parallelism)");
+    }
+    dp_ = world_ / pp_;
+    pp_rank_ = world_rank_ % pp_;
+    dp_rank_ = world_rank_ / pp_;
+    interleaved_ = config.String("pp_style") == "interleaved";
+    chunks_ = static_cast<int32_t>(config.Int("num_model_chunks"));
+    if (chunks_ > 1 && !interleaved_) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "hybrid_parallel: num_model_chunks = " + std::to_string(chunks_) +
+                      " needs pp_style = \"interleaved\"");
+    }
+    if (interleaved_ && chunks_ < 2) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "hybrid_parallel: pp_style = \"interleaved\" needs num_model_chunks >= 2");
+    }
+    num_microbatches_ = config.Int("num_microbatches");
+    microbatch_size_ = config.Int("microbatch_size");
+    layers_per_stage_text_ = config.String("num_layers_per_stage");
+    zero_stage_ = static_cast<int>(config.Int("zero_stage"));
+    if (zero_stage_ == 2 && pp_ > 1) {
+      // ZeRO-2 reduce-scatters every backward into a shard; a pipeline runs one backward per
+      // micro-batch and chunk, so it would reduce m·c times per step (ColossalAI refuses too).
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "hybrid_parallel: zero_stage = 2 with pp_size > 1 would reduce-scatter the "
+                  "gradients after every micro-batch; use zero_stage = 1 (ColossalAI refuses it "
+                  "as well)");
+    }
+    overlap_p2p_ = config.Bool("overlap_p2p");
+    max_norm_ = config.Float("max_norm");
+    ddp_options_.bucket_cap_bytes =
+        static_cast<size_t>(config.Float("ddp_bucket_cap_mb") * 1024 * 1024);
+    ddp_options_.find_unused_parameters = config.Bool("find_unused_parameters");
+    ddp_options_.gradient_as_bucket_view = config.Bool("gradient_as_bucket_view");
+    ddp_options_.static_graph = config.Bool("static_graph");
+    ddp_options_.owner = kName;
+    zero_options_.stage = std::max(1, zero_stage_);
+    zero_options_.bucket_cap =
+        static_cast<size_t>(config.Float("zero_bucket_size_in_m") * (1 << 20));
+    zero_options_.overlap_communication = config.Bool("overlap_communication");
+    zero_options_.overlap_allgather = config.Bool("overlap_allgather");
+    zero_options_.cpu_offload = config.Bool("cpu_offload");
+    zero_options_.owner = kName;
+    scaler_config_ = sdk::LossScalerConfig(config, kName);
+  }
+
+  ~HybridParallel() {
+    // Sends in flight read our buffers: finish them before those go.
+    sends_.clear();
+    recvs_.clear();
+    if (busy_s_ > 0) {
+      std::ostringstream line;
+      line << "hybrid_parallel: pipeline rank " << pp_rank_ << " busy " << busy_s_ << " s of "
+           << pipeline_s_ << " s in execute_pipeline over " << steps_ << " steps (bubble fraction "
+           << (1 - busy_s_ / pipeline_s_) << ")";
+      sdk::Log(CAI_LOG_INFO, line.str());
+    }
+    for (cai_comm_group* g : groups_) Host().comm->destroy_group(g);
+  }
+
+  void Boost(const cai_boost_args& args) {
+    if (model_) throw Error(CAI_FAILED_PRECONDITION, "hybrid_parallel: boost was already called");
+    model_ = args.model;
+    optimizer_ = args.optimizer;
+    precision_ = args.precision;
+    wire_dtype_ = precision_ == CAI_PRECISION_BF16 ? kBF16 : sdk::kFloat32;
+    if (num_microbatches_ > 0 && num_microbatches_ != args.grad_accumulation) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "hybrid_parallel: num_microbatches = " + std::to_string(num_microbatches_) +
+                      " but train.grad_accum = " + std::to_string(args.grad_accumulation) +
+                      "; the host hands the strategy train.grad_accum micro-batches per step: "
+                      "set train.grad_accum = " +
+                      std::to_string(num_microbatches_));
+    }
+    microbatches_ = args.grad_accumulation;
+    if (interleaved_ && microbatches_ % pp_ != 0) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "hybrid_parallel: the interleaved schedule needs the micro-batches per step ("
+                  "train.grad_accum = " +
+                      std::to_string(microbatches_) +
+                      ") to be a multiple of pp_size = " + std::to_string(pp_));
+    }
+    sdk::RequireFp32Params(model_, kName);
+    MakeGroups();
+    PlanStages();
+    const uint32_t num_params = Host().model->num_params(model_);
+
+    // Every rank of a data-parallel group starts from its rank 0's values of what the stage
+    // holds; a parameter several stages hold, from its holder.
+    std::vector<uint32_t> held;
+    for (uint32_t p = 0; p < num_params; ++p) {
+      if (needed_[p]) held.push_back(p);
+    }
+    sdk::BroadcastParams(model_, held, dp_group_);
+    sdk::BroadcastBuffers(model_, dp_group_);
+    for (const Shared& s : shared_) sdk::BroadcastParams(model_, s.params, s.group, s.holder);
+
+    std::vector<uint32_t> trainable;
+    for (uint32_t p : sdk::OwnedParams(model_, /*trainable=*/true)) {
+      if (needed_[p]) trainable.push_back(p);
+    }
+    if (trainable.empty()) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "hybrid_parallel: pipeline rank " + std::to_string(pp_rank_) +
+                      " holds no trainable parameter; unfreeze some (model.freeze) or use fewer "
+                      "stages");
+    }
+    if (zero_stage_ == 0) {
+      ddp_options_.group = dp_group_;
+      replica_.emplace(model_, optimizer_, trainable, precision_, ddp_options_,
+                       /*broadcast=*/false);
+    } else {
+      zero_options_.group = dp_group_;
+      zero_options_.precision = precision_;
+      zero_options_.comm_dtype = sdk::ComputeDtype(precision_);
+      zero_options_.grad_accumulation = args.grad_accumulation;
+      zero_.emplace(model_, optimizer_, trainable, zero_options_);
+    }
+    // What other stages hold goes: its storage is released (and not counted).
+    for (uint32_t p = 0; p < num_params; ++p) {
+      if (!needed_[p] && sdk::ParamInfo(model_, p).tied_to < 0) {
+        Check(Host().model->release_param_storage(model_, p));
+      }
+    }
+    epilogue_.emplace(optimizer_, max_norm_);
+    if (precision_ == CAI_PRECISION_FP16) epilogue_->EnableLossScaling(scaler_config_);
+
+    std::ostringstream line;
+    line << "hybrid_parallel: pp " << pp_ << " x dp " << dp_ << ", "
+         << (interleaved_ ? "interleaved" : "1f1b") << " over " << microbatches_
+         << " micro-batches, zero_stage " << zero_stage_ << "; pipeline rank " << pp_rank_
+         << " runs";
+    for (const Stage& s : stages_) {
+      line << " units [" << s.first_unit << ", " << s.last_unit << ")";
+    }
+    line << ", holds " << held.size() << " parameter tensors";
+    if (!shared_.empty()) line << " (" << shared_.size() << " shared with other stages)";
+    sdk::Log(CAI_LOG_INFO, line.str());
+  }
+
+  void ParallelLayout(cai_parallel_layout& out) {
+    out.data_parallel_rank = dp_rank_;
+    out.data_parallel_size = dp_;
+    out.reports_loss = pp_rank_ == pp_ - 1;
+    out.pipelines = pp_ > 1;
+  }
+
+  // pp_size = 1: data parallelism, one micro-batch at a time.
+  void NoSync(bool enabled) { no_sync_ = enabled; }
+
+  void ForwardBackward(const cai_micro_batch& batch) {
+    if (!model_)
+      throw Error(CAI_FAILED_PRECONDITION, "hybrid_parallel: forward_backward before boost");
+    if (pp_ > 1) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "hybrid_parallel: with pp_size > 1 every step is one execute_pipeline (the "
+                  "host learns so from parallel_layout, ABI 1.3)");
+    }
+    CheckMicroBatch(batch);
+    if (replica_) {
+      sdk::BucketReducer& reducer = replica_->reducer();
+      reducer.ExpectUnreduced();
+      if (!no_sync_) reducer.Begin();
+      sdk::RunMicroBatch(model_, batch, true, epilogue_->loss_scale());
+      if (!no_sync_) reducer.Finish();
+    } else {
+      zero_->BeginBackward(/*reduce=*/!no_sync_);
+      sdk::RunMicroBatch(model_, batch, true, epilogue_->loss_scale());
+      zero_->EndBackward();
+    }
+  }
+
+  void ExecutePipeline(const cai_pipeline_args& args) {
+    if (!model_)
+      throw Error(CAI_FAILED_PRECONDITION, "hybrid_parallel: execute_pipeline before boost");
+    if (args.num_micro_batches != microbatches_) {
+      throw Error(CAI_INVALID_ARGUMENT, "hybrid_parallel: execute_pipeline got " +
+                                            std::to_string(args.num_micro_batches) +
+                                            " micro-batches, boost was told " +
+                                            std::to_string(microbatches_) + " (train.grad_accum)");
+    }
+    for (int32_t i = 0; i < args.num_micro_batches; ++i) CheckMicroBatch(args.micro_batches[i]);
+    if (zero_) zero_->WaitGathers();
+    const Clock::time_point start = Clock::now();
+    double loss = 0;
+    const std::vector<Op> ops = PipelineSchedule(pp_, pp_rank_, microbatches_, chunks_);
+    for (size_t i = 0; i < ops.size(); ++i) {
+      PostRecv(ops[i], args);
+      if (overlap_p2p_ && i + 1 < ops.size()) PostRecv(ops[i + 1], args);
+      if (ops[i].forward) {
+        loss += Forward(ops[i], args.micro_batches[ops[i].mb]);
+      } else {
+        Backward(ops[i], args.micro_batches[ops[i].mb]);
+      }
+      DropFinishedSends();
+    }
+    for (Pending& s : sends_) s.work.Wait();
+    sends_.clear();
+    if (!activations_.empty() || !recvs_.empty()) {
+      throw Error(CAI_INTERNAL, "hybrid_parallel: the schedule left activations or receives");
+    }
+    if (args.loss) *args.loss = loss;
+    pipeline_s_ += std::chrono::duration<double>(Clock::now() - start).count();
+    ++steps_;
+  }
+
+  // Forward only, through every chunk of the pipeline in order; the loss lands on the last
+  // stage (the host counts it there: reports_loss).
+  void Evaluate(const cai_micro_batch& batch) {
+    if (!model_) throw Error(CAI_FAILED_PRECONDITION, "hybrid_parallel: evaluate before boost");
+    if (zero_) zero_->WaitGathers();
+    if (pp_ == 1) {
+      sdk::RunMicroBatch(model_, batch, false);
+      return;
+    }
+    *batch.loss = 0;
+    for (int32_t c = 0; c < chunks_; ++c) {
+      const int32_t v = c * pp_ + pp_rank_;
+      const Stage& stage = stages_[c];
+      Buffer input;
+      int64_t shape[3] = {batch.tokens->shape[0], batch.tokens->shape[1], hidden_};
+      if (v > 0) {
+        input = sdk::AllocFlat(CAI_MEM_DEVICE, Elements(shape), wire_dtype_, "pipeline.eval");
+        P2P(CAI_COMM_RECV, Tensor3(input, shape), (v - 1) % pp_, Tag(2, 0, v)).Wait();
+      }
+      cai_stage_forward_args f{};
+      f.struct_size = CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE;
+      f.first_unit = stage.first_unit;
+      f.last_unit = stage.last_unit;
+      f.tokens = v == 0 ? batch.tokens : nullptr;
+      f.targets = v == last_stage_ ? batch.targets : nullptr;
+      cai_tensor in = v > 0 ? Tensor3(input, shape) : cai_tensor{};
+      f.input = v > 0 ? &in : nullptr;
+      cai_activation* out = nullptr;
+      f.output = &out;
+      f.loss = batch.loss;
+      f.no_grad = true;
+      Check(Host().model->stage_forward(model_, &f));
+      if (v == last_stage_) continue;
+      Buffer wire = ToWire(out, shape);
+      Host().model->activation_release(out);
+      P2P(CAI_COMM_SEND, Tensor3(wire, shape), (v + 1) % pp_, Tag(2, 0, v + 1)).Wait();
+    }
+  }
+
+  void Step(cai_step_result& result) {
+    if (!model_) throw Error(CAI_FAILED_PRECONDITION, "hybrid_parallel: step before boost");
+    SumSharedGrads();
+    const uint32_t num_params = Host().model->num_params(model_);
+    sdk::StepSums sums;
+    if (replica_) {
+      // The reduced buckets are the same on every rank of the data-parallel group: its rank 0
+      // contributes the norm.
+      sums =
+          replica_->LocalSums(num_params, epilogue_->loss_scaling(), dp_rank_ == 0, not_counted_);
+    } else {
+      sums = zero_->LocalSums(num_params, epilogue_->loss_scaling());
+      sums.sum_squares -= zero_->SumSquaresOf(not_counted_);
+    }
+    const sdk::StepDecision d = epilogue_->Decide(sums, result);
+    if (replica_) {
+      replica_->Update(d);
+    } else {
+      zero_->Apply(d, sums.used);
+    }
+  }
+
+  void ZeroGrad() {
+    if (!model_) throw Error(CAI_FAILED_PRECONDITION, "hybrid_parallel: zero_grad before boost");
+    if (replica_) {
+      replica_->reducer().Reset();
+    } else {
+      zero_->ZeroGrad();
+    }
+  }
+
+  // The canonical layout: each stage's data-parallel rank 0 writes what its stage holds.
+  void Save(const cai_checkpoint_args& args) {
+    const bool writer = dp_rank_ == 0;
+    auto writes = [&](uint32_t p) { return counted_[p] != 0; };
+    if (replica_) {
+      if (writer) replica_->Save(args, writes);
+    } else {
+      zero_->Save(args, writer, writes);
+    }
+    if (writer && args.model) {
+      for (uint32_t p : sdk::OwnedParams(model_, /*trainable=*/false)) {
+        if (!writes(p)) continue;
+        cai_tensor data{};
+        Check(Host().model->param_data(model_, p, &data));
+        sdk::WriteAsFp32(args.checkpoint, "model/" + std::string(sdk::ParamInfo(model_, p).name),
+                         data);
+      }
+    }
+    if (world_rank_ == 0 && args.optimizer) epilogue_->Save(args.checkpoint, kName);
+  }
+
+  void Load(const cai_checkpoint_args& args) {
+    if (replica_) {
+      replica_->Load(args);
+    } else {
+      zero_->Load(args);
+    }
+    if (args.model) {
+      for (uint32_t p : sdk::OwnedParams(model_, /*trainable=*/false)) {
+        if (!needed_[p]) continue;
+        cai_tensor data{};
+        Check(Host().model->param_data(model_, p, &data));
+        const std::string name = "model/" + std::string(sdk::ParamInfo(model_, p).name);
+        Check(Host().checkpoint->read_tensor(args.checkpoint, name.c_str(), 0, 0, &data));
+      }
+    }
+    if (args.optimizer) epilogue_->Load(args.checkpoint, kName);
+  }
+
+  void Stats(cai_strategy_stats& stats) {
+    for (uint32_t p : sdk::OwnedParams(model_, /*trainable=*/false)) {
+      if (!needed_[p]) continue;
+      const cai_param_info info = sdk::ParamInfo(model_, p);
+      stats.param_bytes += static_cast<uint64_t>(info.numel) * sdk::ElementSize(info.dtype);
+    }
+    if (replica_) {
+      replica_->AddStats(stats);
+    } else {
+      zero_->AddStats(stats);
+    }
+  }
+
+  // Per pipeline rank: an even share 1/pp_size of the model states (the tied embedding and
+  // uneven splits add to it), the optimizer state and masters 1/dp with ZeRO.
+  static void EstimateMemory(const cai_memory_estimate_args& args, cai_memory_estimate& out) {
+    sdk::Config config(args.config);
+    const uint64_t pp = args.config ? static_cast<uint64_t>(config.Int("pp_size")) : 1;
+    const int zero = args.config ? static_cast<int>(config.Int("zero_stage")) : 0;
+    const uint64_t world = static_cast<uint64_t>(std::max(1, args.world_size));
+    const uint64_t dp = std::max<uint64_t>(1, world / pp);
+    const bool mixed = args.precision != CAI_PRECISION_FP32;
+    const uint64_t stage = (static_cast<uint64_t>(args.num_params) + pp - 1) / pp;
+    const uint64_t sharded = zero > 0 ? (stage + dp - 1) / dp : stage;
+    const uint64_t e = mixed ? 2 : 4;
+    out.param_bytes = e * stage;
+    out.grad_bytes = zero == 2 ? e * sharded : e * stage + (zero == 1 ? e * sharded : 0);
+    out.master_bytes = mixed ? 4 * sharded : 0;
+    out.optimizer_state_bytes = 4ull * args.optimizer_state_slots * sharded;
+    out.device_bytes =
+        out.param_bytes + out.grad_bytes + out.master_bytes + out.optimizer_state_bytes;
+    out.formula = zero > 0 ? "per stage: (P + G)Ψ/pp + (K + M)Ψ/(pp·dp), ZeRO over dp"
+                           : "per stage: (P + G + M + K)Ψ/pp, replicated over dp";
+  }
+
+ private:
+  // A virtual stage's units [first_unit, last_unit).
+  struct Stage {
+    int32_t first_unit = 0, last_unit = 0;
+  };
+  // Parameters several pipeline ranks of a replica hold, the group of those ranks, and the
+  // holder's rank in it.
+  struct Shared {
+    std::vector<uint32_t> params;
+    cai_comm_group* group = nullptr;
+    int32_t holder = 0;
+  };
+  // A transfer in flight and the buffer it reads or fills.
+  struct Pending {
+    Buffer buffer;
+    int64_t shape[3] = {0, 0, 0};
+    sdk::Work work;
+  };
+
+  // ---- Boost ---------------------------------------------------------------------------------
+
+  // Pipeline groups (consecutive ranks) and data-parallel groups (one stage position across
+  // pipelines); every rank creates every group, in one order.
+  void MakeGroups() {
+    for (int32_t d = 0; d < dp_ && pp_ > 1; ++d) {
+      std::vector<int32_t> ranks(pp_);
+      std::iota(ranks.begin(), ranks.end(), d * pp_);
+      cai_comm_group* g = nullptr;
+      Check(Host().comm->new_group(ranks.data(), ranks.size(), &g));
+      if (g) pp_group_ = g;
+      groups_.push_back(g);
+    }
+    for (int32_t r = 0; r < pp_ && dp_ > 1 && pp_ > 1; ++r) {
+      std::vector<int32_t> ranks;
+      for (int32_t d = 0; d < dp_; ++d) ranks.push_back(d * pp_ + r);
+      cai_comm_group* g = nullptr;
+      Check(Host().comm->new_group(ranks.data(), ranks.size(), &g));
+      if (g) dp_group_ = g;
+      groups_.push_back(g);
+    }
+    if (pp_ == 1) dp_group_ = nullptr;  // the world
+    if (dp_ == 1 && pp_ > 1) dp_group_ = SelfGroup();
+  }
+
+  // A one-rank group: data parallelism of size 1 (collectives on it are no-ops).
+  cai_comm_group* SelfGroup() {
+    cai_comm_group* self = nullptr;
+    for (int32_t r = 0; r < world_; ++r) {
+      cai_comm_group* g = nullptr;
+      Check(Host().comm->new_group(&r, 1, &g));
+      if (g) self = g;
+      groups_.push_back(g);
+    }
+    return self;
+  }
+
+  // Which units each virtual stage runs, which parameters this rank needs, and which it shares
+  // with other pipeline ranks.
+  void PlanStages() {
+    const auto& model = *Host().model;
+    const uint32_t num_units = model.num_units(model_);
+    const uint32_t num_params = model.num_params(model_);
+    std::vector<cai_unit_info> units(num_units);
+    std::vector<int32_t> blocks;
+    for (uint32_t u = 0; u < num_units; ++u) {
+      units[u].struct_size = CAI_UNIT_INFO_STRUCT_SIZE;
+      Check(model.unit_info(model_, u, &units[u]));
+      if (units[u].kind == CAI_UNIT_BLOCK) blocks.push_back(static_cast<int32_t>(u));
+    }
+    const int32_t total = pp_ * chunks_;
+    last_stage_ = total - 1;
+    needed_.assign(num_params, 1);
+    counted_.assign(num_params, 1);
+    if (total == 1) {  // data parallelism only: the whole model, any model
+      stages_.push_back({0, static_cast<int32_t>(num_units)});
+      return;
+    }
+    const int32_t layers = static_cast<int32_t>(blocks.size());
+    if (blocks.empty() || blocks.back() - blocks.front() + 1 != layers) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "hybrid_parallel: the model (" + std::string(model.describe(model_)) +
+                      ") exposes no consecutive transformer blocks to split into stages; "
+                      "pipeline parallelism needs a zoo model (model.kind = \"gpt2\" or "
+                      "\"llama\")");
+    }
+    std::vector<int32_t> per = DistributeLayers(layers, total);
+    if (!layers_per_stage_text_.empty()) per = ParseLayersPerStage(total, layers);
+    if (*std::min_element(per.begin(), per.end()) < 1) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "hybrid_parallel: " + std::to_string(layers) +
+                      " transformer blocks cannot fill " + std::to_string(total) +
+                      " virtual stages (pp_size " + std::to_string(pp_) + " x num_model_chunks " +
+                      std::to_string(chunks_) +
+                      "): every stage needs at least one block; use fewer stages or chunks");
+    }
+    std::vector<Stage> all(total);
+    int32_t next = blocks.front();
+    for (int32_t v = 0; v < total; ++v) {
+      all[v].first_unit = v == 0 ? 0 : next;
+      next += per[v];
+      all[v].last_unit = v == total - 1 ? static_cast<int32_t>(num_units) : next;
+    }
+    for (int32_t c = 0; c < chunks_; ++c) stages_.push_back(all[c * pp_ + pp_rank_]);
+
+    // For every pipeline rank, the parameters its units hold or read.
+    const bool reads = CAI_HAS_FIELD(&units[0], cai_unit_info, reads);
+    std::vector<std::set<int32_t>> ranks_of(num_params);
+    std::vector<int32_t> holder(num_params, -1);
+    for (int32_t v = 0; v < total; ++v) {
+      const int32_t rank = v % pp_;
+      for (int32_t u = all[v].first_unit; u < all[v].last_unit; ++u) {
+        for (uint32_t i = 0; i < units[u].num_params; ++i) {
+          ranks_of[units[u].params[i]].insert(rank);
+          holder[units[u].params[i]] = rank;
+        }
+        for (uint32_t i = 0; reads && i < units[u].num_reads; ++i) {
+          ranks_of[units[u].reads[i]].insert(rank);
+        }
+      }
+    }
+    std::map<std::vector<int32_t>, std::vector<uint32_t>> shared_by_ranks;
+    for (uint32_t p = 0; p < num_params; ++p) {
+      if (ranks_of[p].empty()) {
+        // In no unit: every stage keeps it, stage 0 counts and writes it.
+        for (int32_t r = 0; r < pp_; ++r) ranks_of[p].insert(r);
+        holder[p] = 0;
+      }
+      needed_[p] = ranks_of[p].count(pp_rank_) != 0;
+      counted_[p] = holder[p] == pp_rank_;
+      if (needed_[p] && !counted_[p]) not_counted_.push_back(p);
+      if (ranks_of[p].size() > 1 && sdk::ParamInfo(model_, p).tied_to < 0) {
+        shared_by_ranks[std::vector<int32_t>(ranks_of[p].begin(), ranks_of[p].end())].push_back(p);
+      }
+    }
+    // One group per set of pipeline ranks sharing parameters, in every replica; collective.
+    for (const auto& [ranks, params] : shared_by_ranks) {
+      Shared mine;
+      for (int32_t d = 0; d < dp_; ++d) {
+        std::vector<int32_t> world_ranks;
+        for (int32_t r : ranks) world_ranks.push_back(d * pp_ + r);
+        cai_comm_group* g = nullptr;
+        Check(Host().comm->new_group(world_ranks.data(), world_ranks.size(), &g));
+        groups_.push_back(g);
+        if (!g) continue;
+        mine.group = g;
+        mine.params = params;
+        mine.holder = static_cast<int32_t>(
+            std::find(ranks.begin(), ranks.end(), holder[params.front()]) - ranks.begin());
+      }
+      if (mine.group) shared_.push_back(std::move(mine));
+    }
+    // The width of the activations between stages: the token embedding's.
+    for (uint32_t p = 0; p < num_params && hidden_ == 0; ++p) {
+      const cai_param_info info = sdk::ParamInfo(model_, p);
+      if (info.role == CAI_ROLE_EMBEDDING && info.ndim == 2) hidden_ = info.shape[1];
+    }
+    if (hidden_ == 0) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "hybrid_parallel: the model has no token embedding to size the activations "
+                  "between stages by");
+    }
+  }
+
+  std::vector<int32_t> ParseLayersPerStage(int32_t stages, int32_t layers) const {
+    std::vector<int32_t> per;
+    std::stringstream in(layers_per_stage_text_);
+    for (std::string item; std::getline(in, item, ',');) {
+      try {
+        per.push_back(std::stoi(item));
+      } catch (const std::exception&) {
+        per.clear();
+        break;
+      }
+    }
+    const int32_t sum = std::accumulate(per.begin(), per.end(), 0);
+    if (static_cast<int32_t>(per.size()) != stages || sum != layers) {
+      throw Error(
+          CAI_INVALID_ARGUMENT,
+          "hybrid_parallel: num_layers_per_stage = \"" + layers_per_stage_text_ + "\" must list " +
+              std::to_string(stages) +
+              " block counts (pp_size x num_model_chunks) that add up to the model's " +
+              std::to_string(layers) + " blocks, e.g. \"" +
+              [&] {
+                std::string e;
+                for (int32_t n : DistributeLayers(layers, stages)) {
+                  e += (e.empty() ? "" : ",") + std::to_string(n);
+                }
+                return e;
+              }() +
+              "\"");
+    }
+    return per;
+  }
+
+  void CheckMicroBatch(const cai_micro_batch& batch) const {
+    if (microbatch_size_ > 0 && batch.tokens->shape[0] != microbatch_size_) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "hybrid_parallel: microbatch_size = " + std::to_string(microbatch_size_) +
+                      " but a micro-batch holds " + std::to_string(batch.tokens->shape[0]) +
+                      " rows (train.global_batch / data-parallel size / train.grad_accum); set "
+                      "microbatch_size = 0 or make them agree");
+    }
+  }
+
+  // ---- The schedule ----------------------------------------------------------------------------
+
+  // Tags of point-to-point messages: kind (0 activation, 1 gradient, 2 evaluation), the
+  // micro-batch and the virtual stage that receives it.
+  static int32_t Tag(int32_t kind, int32_t mb, int32_t stage) {
+    return (kind << 24) | (mb << 8) | stage;
+  }
+  static int64_t Elements(const int64_t* shape) { return shape[0] * shape[1] * shape[2]; }
+  cai_tensor Tensor3(const Buffer& b, int64_t* shape) const {
+    cai_tensor t = sdk::FlatView(b, wire_dtype_, 0, shape);
+    t.ndim = 3;
+    t.shape = shape;
+    t.strides = Strides(shape);
+    return t;
+  }
+  // Contiguous strides for `shape`, kept beside it (shape[3..5] in the caller's array would be
+  // neater, but the descriptor only borrows): one table per distinct shape.
+  int64_t* Strides(const int64_t* shape) const {
+    auto key = std::make_tuple(shape[0], shape[1], shape[2]);
+    auto [it, inserted] = strides_.try_emplace(key);
+    if (inserted) it->second = {shape[1] * shape[2], shape[2], 1};
+    return it->second.data();
+  }
+
+  sdk::Work P2P(cai_comm_op op, const cai_tensor& t, int32_t peer, int32_t tag) {
+    cai_comm_args a{};
+    a.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+    a.group = pp_group_;
+    a.op = op;
+    if (op == CAI_COMM_SEND) {
+      a.input = &t;
+    } else {
+      a.output = &t;
+    }
+    a.peer = peer;
+    a.tag = tag;
+    a.async = true;
+    cai_comm_work* work = nullptr;
+    Check(Host().comm->run(&a, &work));
+    return sdk::Work(work);
+  }
+
+  // The receive `op` needs, posted once: an activation from the previous virtual stage before
+  // a forward, a gradient from the next before a backward.
+  void PostRecv(const Op& op, const cai_pipeline_args& args) {
+    const int32_t v = op.chunk * pp_ + pp_rank_;
+    if ((op.forward && v == 0) || (!op.forward && v == last_stage_)) return;
+    const auto key = std::make_tuple(op.forward, op.mb, op.chunk);
+    if (recvs_.count(key)) return;
+    Pending& p = recvs_[key];
+    const cai_tensor* tokens = args.micro_batches[op.mb].tokens;
+    p.shape[0] = tokens->shape[0];
+    p.shape[1] = tokens->shape[1];
+    p.shape[2] = hidden_;
+    p.buffer = sdk::AllocFlat(CAI_MEM_DEVICE, Elements(p.shape), wire_dtype_,
+                              op.forward ? "pipeline.activation" : "pipeline.grad");
+    const int32_t peer = op.forward ? (v - 1) % pp_ : (v + 1) % pp_;
+    p.work =
+        P2P(CAI_COMM_RECV, Tensor3(p.buffer, p.shape), peer, Tag(op.forward ? 0 : 1, op.mb, v));
+  }
+
+  // The received buffer of `op`, once complete.
+  Pending TakeRecv(const Op& op) {
+    auto it = recvs_.find(std::make_tuple(op.forward, op.mb, op.chunk));
+    Pending p = std::move(it->second);
+    recvs_.erase(it);
+    p.work.Wait();
+    return p;
+  }
+
+  // `activation` (or a stage input's gradient in `grad`) in the wire dtype, for sending.
+  Buffer ToWire(cai_activation* activation, const int64_t* shape) {
+    cai_tensor data{};
+    Check(Host().model->activation_data(activation, &data));
+    Buffer wire = sdk::AllocFlat(CAI_MEM_DEVICE, Elements(shape), wire_dtype_, "pipeline.send");
+    int64_t n = Elements(shape);
+    cai_tensor flat = data;
+    flat.ndim = 1;
+    flat.shape = &n;
+    static int64_t one = 1;
+    flat.strides = &one;
+    sdk::RunKernel(CAI_KERNEL_COPY, &flat, sdk::FlatView(wire, wire_dtype_, 0, &n));
+    return wire;
+  }
+
+  void Send(Buffer buffer, const int64_t* shape, int32_t peer, int32_t tag) {
+    Pending& s = sends_.emplace_back();
+    s.buffer = std::move(buffer);
+    std::copy(shape, shape + 3, s.shape);
+    s.work = P2P(CAI_COMM_SEND, Tensor3(s.buffer, s.shape), peer, tag);
+  }
+  void DropFinishedSends() {
+    while (!sends_.empty() && sends_.front().work.Done()) {
+      sends_.pop_front();
+    }
+  }
+
+  // Returns the micro-batch's weighted loss on the last virtual stage, 0 elsewhere.
+  double Forward(const Op& op, const cai_micro_batch& batch) {
+    const int32_t v = op.chunk * pp_ + pp_rank_;
+    const Stage& stage = stages_[op.chunk];
+    Pending input;
+    cai_tensor in{};
+    if (v > 0) {
+      input = TakeRecv(op);
+      in = Tensor3(input.buffer, input.shape);
+    }
+    cai_stage_forward_args f{};
+    f.struct_size = CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE;
+    f.first_unit = stage.first_unit;
+    f.last_unit = stage.last_unit;
+    f.tokens = v == 0 ? batch.tokens : nullptr;
+    f.targets = v == last_stage_ ? batch.targets : nullptr;
+    f.input = v > 0 ? &in : nullptr;
+    cai_activation* out = nullptr;
+    f.output = &out;
+    double loss = 0;
+    f.loss = &loss;
+    const Clock::time_point start = Clock::now();
+    Check(Host().model->stage_forward(model_, &f));
+    busy_s_ += std::chrono::duration<double>(Clock::now() - start).count();
+    if (v == last_stage_) {
+      last_forward_[op.mb] = last_forward_count_++;
+      if (batch.loss) *batch.loss = loss;
+      return loss * batch.loss_weight;
+    }
+    const int64_t shape[3] = {batch.tokens->shape[0], batch.tokens->shape[1], hidden_};
+    Send(ToWire(out, shape), shape, (v + 1) % pp_, Tag(0, op.mb, v + 1));
+    activations_[{op.mb, op.chunk}] = out;
+    return 0;
+  }
+
+  void Backward(const Op& op, const cai_micro_batch& batch) {
+    const int32_t v = op.chunk * pp_ + pp_rank_;
+    cai_stage_backward_args b{};
+    b.struct_size = CAI_STAGE_BACKWARD_ARGS_STRUCT_SIZE;
+    Pending grad_out;
+    cai_tensor gout{};
+    cai_activation* act = nullptr;
+    if (v == last_stage_) {
+      auto it = last_forward_.find(op.mb);
+      b.micro_batch = it->second;
+      last_forward_.erase(it);
+      // The micro-batch's share of the global batch, and fp16's loss scale.
+      b.loss_scale = batch.loss_weight * epilogue_->loss_scale();
+    } else {
+      grad_out = TakeRecv(op);
+      gout = Tensor3(grad_out.buffer, grad_out.shape);
+      b.grad_output = &gout;
+      auto it = activations_.find({op.mb, op.chunk});
+      act = it->second;
+      activations_.erase(it);
+      b.activation = act;
+    }
+    int64_t shape[3] = {batch.tokens->shape[0], batch.tokens->shape[1], hidden_};
+    Buffer grad_in;
+    cai_tensor gin{};
+    if (v > 0) {
+      grad_in = sdk::AllocFlat(CAI_MEM_DEVICE, Elements(shape), wire_dtype_, "pipeline.send");
+      gin = Tensor3(grad_in, shape);
+      b.grad_input = &gin;
+    }
+    const Clock::time_point start = Clock::now();
+    cai_status* status = Host().model->stage_backward(model_, &b);
+    busy_s_ += std::chrono::duration<double>(Clock::now() - start).count();
+    if (act) Host().model->activation_release(act);
+    Check(status);
+    if (v > 0) Send(std::move(grad_in), shape, (v - 1) % pp_, Tag(1, op.mb, v - 1));
+  }
+
+  // The tied parameters' gradients summed over the pipeline ranks that use them.
+  void SumSharedGrads() {
+    for (const Shared& s : shared_) {
+      for (uint32_t p : s.params) {
+        cai_tensor grad{};
+        cai_status* missing = Host().model->param_grad(model_, p, &grad);
+        if (missing) {  // no gradient here this step: contribute zeros
+          Host().status_destroy(missing);
+          throw Error(CAI_FAILED_PRECONDITION,
+                      "hybrid_parallel: parameter '" + std::string(sdk::ParamInfo(model_, p).name) +
+                          "', shared between pipeline stages, got no gradient on pipeline rank " +
+                          std::to_string(pp_rank_));
+        }
+        sdk::RunCollective(CAI_COMM_ALL_REDUCE, nullptr, grad, false, CAI_REDUCE_SUM, s.group);
+      }
+    }
+  }
+
+  // Configuration.
+  const int32_t world_rank_, world_;
+  int32_t pp_ = 1, dp_ = 1, pp_rank_ = 0, dp_rank_ = 0;
+  bool interleaved_ = false;
+  int32_t chunks_ = 1;
+  int64_t num_microbatches_ = 0, microbatch_size_ = 0;
+  std::string layers_per_stage_text_;
+  int zero_stage_ = 0;
+  bool overlap_p2p_ = true;
+  double max_norm_ = 0;
+  sdk::BucketReducer::Options ddp_options_;
+  sdk::ZeroOptimizer::Options zero_options_;
+  cai_loss_scaler_config scaler_config_{};
+
+  // Boost.
+  cai_model* model_ = nullptr;
+  cai_optimizer* optimizer_ = nullptr;
+  cai_precision precision_ = CAI_PRECISION_FP32;
+  cai_dtype wire_dtype_ = sdk::kFloat32;
+  int32_t microbatches_ = 1;
+  int32_t last_stage_ = 0;             // the last virtual stage
+  int64_t hidden_ = 0;                 // activation width between stages
+  std::vector<Stage> stages_;          // this rank's chunks, in chunk order
+  std::vector<uint8_t> needed_;        // per model parameter: this rank holds it
+  std::vector<uint8_t> counted_;       // per model parameter: this rank counts and writes it
+  std::vector<uint32_t> not_counted_;  // held here, counted by another pipeline rank
+  std::vector<Shared> shared_;
+  std::vector<cai_comm_group*> groups_;  // every group this rank created (NULL: not a member)
+  cai_comm_group* pp_group_ = nullptr;
+  cai_comm_group* dp_group_ = nullptr;
+  std::optional<sdk::DataParallelReplica> replica_;  // zero_stage 0
+  std::optional<sdk::ZeroOptimizer> zero_;           // zero_stage 1, 2
+  std::optional<sdk::StepEpilogue> epilogue_;
+
+  // Per step.
+  bool no_sync_ = false;
+  std::map<std::tuple<bool, int32_t, int32_t>, Pending> recvs_;  // (forward, mb, chunk)
+  std::deque<Pending> sends_;
+  std::map<std::pair<int32_t, int32_t>, cai_activation*> activations_;  // (mb, chunk)
+  std::map<int32_t, int32_t> last_forward_;  // mb -> the model's last-stage forward number
+  int32_t last_forward_count_ = 0;
+  mutable std::map<std::tuple<int64_t, int64_t, int64_t>, std::array<int64_t, 3>> strides_;
+  double busy_s_ = 0, pipeline_s_ = 0;
+  int64_t steps_ = 0;
+};
+
+}  // namespace
+
+CAI_PLUGIN(HybridParallel)

@@ -1,0 +1,203 @@
+// libcai_hybrid_parallel end to end: `cai train` on 2, 3 and 4 real ranks, each run compared
+// with the single-process reference (`plugin.name=none`) on the same job — same global batch,
+// same initial weights — on every step's loss and grad norm and every final "model/*" tensor
+// (tests/plugins/common/train_run.h), fp32 within 1e-5.
+//
+// The job: kTinyGptJob with 4 transformer blocks (so that 2 and 3 stages, and 2 stages of 2
+// chunks, each get blocks), a global batch of 8 in 4 micro-batches (train.grad_accum), which is
+// what the pipeline schedules. GPT-2 ties its head to the token embedding: the first and the
+// last stage both hold it and sum its gradient.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "train_run.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using cai::testing::ExpectMatches;
+using cai::testing::TrainRun;
+
+constexpr double kFp32Tolerance = 1e-5;
+const std::string kPlugins = std::string(CAI_HYBRID_MANIFEST) + ":" + CAI_FSDP_MANIFEST;
+
+fs::path RunsDir() {
+  return fs::path(CAI_HYBRID_TEST_RUNS) /
+         ::testing::UnitTest::GetInstance()->current_test_info()->name();
+}
+
+std::vector<std::string> Job(std::vector<std::string> sets) {
+  sets.insert(sets.begin(), {"model.n_layer=4", "train.global_batch=8", "train.grad_accum=4"});
+  return sets;
+}
+
+TrainRun Run(const std::string& name, int nproc, std::vector<std::string> sets, bool resume = false,
+             const std::string& output = "output.txt") {
+  return cai::testing::RunTrain(RunsDir() / name, cai::testing::kTinyGptJob, nproc, Job(sets),
+                                kPlugins, resume, output);
+}
+
+TrainRun Reference(const std::string& name, std::vector<std::string> sets) {
+  sets.push_back("plugin.name=none");
+  return Run(name + "_ref", 1, sets);
+}
+
+// `options` are keys of [plugin.hybrid_parallel] ("pp_size=2").
+TrainRun Hybrid(const std::string& name, int nproc, const std::vector<std::string>& options,
+                std::vector<std::string> sets = {}) {
+  sets.push_back("plugin.name=hybrid_parallel");
+  for (const std::string& o : options) sets.push_back("plugin.hybrid_parallel." + o);
+  return Run(name, nproc, sets);
+}
+
+TEST(HybridParallel, Pp2_GptTiedEmbeddingMatchesReference) {
+  const TrainRun ref = Reference("gpt", {});
+  const TrainRun run = Hybrid("pp2", 2, {"pp_size=2"});
+  ExpectMatches(ref, run, kFp32Tolerance);
+  // Clipping is active (the norm exceeds optimizer.max_grad_norm every step).
+  for (double norm : run.grad_norms) EXPECT_GT(norm, 0.05);
+  // The first and the last stage both hold wte, the tied head reads it.
+  EXPECT_NE(run.output.find("shared with other stages"), std::string::npos) << run.output;
+}
+
+TEST(HybridParallel, Pp3_GptAndLlamaMatchReference) {
+  ExpectMatches(Reference("gpt", {}), Hybrid("pp3", 3, {"pp_size=3"}), kFp32Tolerance);
+  const std::vector<std::string> llama = {"model.kind=llama", "model.n_kv_head=1"};
+  ExpectMatches(Reference("llama", llama), Hybrid("pp3_llama", 3, {"pp_size=3"}, llama),
+                kFp32Tolerance);
+}
+
+// Scale-sensitive: plain SGD, no momentum, clipping or warmup (train_run.h).
+TEST(HybridParallel, PlainSgd_Pp2AndPp3MatchReference) {
+  const TrainRun ref = Reference("sgd", cai::testing::kPlainSgdSets);
+  for (int pp : {2, 3}) {
+    SCOPED_TRACE("pp " + std::to_string(pp));
+    ExpectMatches(ref,
+                  Hybrid("sgd_pp" + std::to_string(pp), pp, {"pp_size=" + std::to_string(pp)},
+                         cai::testing::kPlainSgdSets),
+                  kFp32Tolerance);
+  }
+}
+
+// Two pipelines of two stages: each replica trains on its half of the global batch, the
+// gradients are summed over the replicas (zero_stage 0: DDP buckets; 1: ZeRO-1 shards).
+TEST(HybridParallel, Pp2Dp2_BothZeroStagesMatchReference) {
+  const TrainRun ref = Reference("gpt", {});
+  for (int zero : {0, 1}) {
+    SCOPED_TRACE("zero_stage " + std::to_string(zero));
+    ExpectMatches(ref,
+                  Hybrid("pp2dp2_zero" + std::to_string(zero), 4,
+                         {"pp_size=2", "zero_stage=" + std::to_string(zero)}),
+                  kFp32Tolerance);
+  }
+}
+
+// Two ranks, two model chunks each: virtual stages 0 and 2 on rank 0, 1 and 3 on rank 1.
+TEST(HybridParallel, Interleaved_Pp2TwoChunksMatchesReference) {
+  ExpectMatches(
+      Reference("gpt", {}),
+      Hybrid("interleaved", 2, {"pp_size=2", "pp_style=\"interleaved\"", "num_model_chunks=2"}),
+      kFp32Tolerance);
+}
+
+TEST(HybridParallel, Bf16AndFp16_Pp2MatchReferencePerTensor) {
+  const std::vector<std::string> bf16 = {"train.precision=bf16"};
+  ExpectMatches(Reference("bf16", bf16), Hybrid("bf16", 2, {"pp_size=2"}, bf16),
+                cai::testing::kBf16AdamW);
+  std::vector<std::string> fp16 = {"train.precision=fp16", "train.steps=8"};
+  std::vector<std::string> ref16 = fp16, hp16 = fp16;
+  for (const char* key : {"initial_scale=1048576", "hysteresis=1"}) {
+    ref16.push_back(std::string("plugin.none.") + key);
+    hp16.push_back(std::string("plugin.hybrid_parallel.") + key);
+  }
+  const TrainRun ref = Reference("fp16", ref16);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  EXPECT_TRUE(ref.skipped.front()) << "the first step should overflow at scale 2^20";
+  ExpectMatches(ref, Hybrid("fp16", 2, {"pp_size=2"}, hp16), cai::testing::kFp16AdamW);
+}
+
+// Saved by two pipeline stages, resumed by three data-parallel replicas (pp_size 1) and by
+// fsdp on three ranks: the canonical layout loads anywhere, and every continuation equals the
+// uninterrupted reference.
+TEST(HybridParallel, Checkpoint_SavedByPp2ResumesUnderDp3AndFsdp) {
+  // 2 micro-batches, so that 3 replicas of 8 rows (3 + 3 + 2) each have one per micro-batch.
+  const std::vector<std::string> sets = {"optimizer.decay_steps=6", "train.grad_accum=2"};
+  const TrainRun ref = Reference("resume", sets);
+  std::vector<std::string> first = sets;
+  first.push_back("train.steps=3");
+  const TrainRun saved = Hybrid("saved", 2, {"pp_size=2"}, first);
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  ASSERT_FALSE(saved.checkpoint.empty()) << saved.output;
+  for (const std::string& plugin : {std::string("hybrid_parallel"), std::string("fsdp")}) {
+    SCOPED_TRACE(plugin);
+    const fs::path dir = RunsDir() / ("resumed_" + plugin);
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    fs::copy(RunsDir() / "saved", dir, fs::copy_options::recursive);
+    std::vector<std::string> resume = sets;
+    resume.push_back("plugin.name=" + plugin);
+    resume.push_back("checkpoint.resume=true");
+    if (plugin == "fsdp") resume.push_back("plugin.fsdp.state_dict_type=full");
+    const TrainRun resumed = cai::testing::RunTrain(dir, cai::testing::kTinyGptJob, 3, Job(resume),
+                                                    kPlugins, true, "resumed.txt");
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    ASSERT_EQ(resumed.losses.size(), 6u) << resumed.output;  // steps 1-3, then 4-6 appended
+    ExpectMatches(ref, resumed, kFp32Tolerance);
+  }
+}
+
+// pp_size 1 is data parallelism: micro-batches under no_sync but the last, DDP buckets or
+// ZeRO-2 over the world; and evaluation through the pipeline equals the reference's.
+TEST(HybridParallel, DataParallelPathAndPipelinedEvaluation_MatchReference) {
+  const std::vector<std::string> eval = {"train.eval_every=3", "train.eval_batches=2"};
+  const TrainRun ref = Reference("eval", eval);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  ASSERT_FALSE(std::isnan(ref.eval_loss));
+  for (const std::vector<std::string>& options :
+       {std::vector<std::string>{}, std::vector<std::string>{"zero_stage=2"},
+        std::vector<std::string>{"pp_size=2"},
+        std::vector<std::string>{"pp_size=2", "pp_style=\"interleaved\"", "num_model_chunks=2"}}) {
+    std::string name = "eval";
+    for (const std::string& o : options) name += "_" + o.substr(0, o.find('='));
+    const TrainRun run = Hybrid(name, 2, options, eval);
+    ExpectMatches(ref, run, kFp32Tolerance);
+    EXPECT_NEAR(run.eval_loss, ref.eval_loss, kFp32Tolerance * ref.eval_loss) << name;
+  }
+}
+
+// Each bad configuration fails before training, saying which key and what to do.
+TEST(HybridParallel, BadConfigurations_FailClearly) {
+  struct Case {
+    int nproc;
+    std::vector<std::string> options;
+    std::vector<std::string> expected;
+  };
+  const std::vector<Case> cases = {
+      {2, {"tp_size=2"}, {"tp_size and sp_size must be 1"}},
+      {3, {"pp_size=2"}, {"pp_size = 2 does not divide the world of 3"}},
+      {2, {"pp_size=2", "zero_stage=2"}, {"zero_stage = 2 with pp_size > 1", "zero_stage = 1"}},
+      {2, {"pp_size=2", "num_model_chunks=2"}, {"needs pp_style = \"interleaved\""}},
+      {2,
+       {"pp_size=2", "pp_style=\"interleaved\"", "num_model_chunks=3"},
+       {"4 transformer blocks cannot fill 6 virtual stages"}},
+      {2, {"pp_size=2", "num_microbatches=8"}, {"num_microbatches = 8", "train.grad_accum = 4"}},
+      {2, {"pp_size=2", "num_layers_per_stage=\"3,3\""}, {"must list 2 block counts", "\"2,2\""}},
+      {2, {"pp_size=2", "pp_stlye=\"1f1b\""}, {"pp_style"}},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE("case " + std::to_string(i));
+    const TrainRun run = Hybrid("bad" + std::to_string(i), cases[i].nproc, cases[i].options);
+    EXPECT_NE(run.exit_code, 0) << run.output;
+    for (const std::string& text : cases[i].expected) {
+      EXPECT_NE(run.output.find(text), std::string::npos) << "no '" << text << "' in:\n"
+                                                          << run.output;
+    }
+  }
+}
+
+}  // namespace

@@ -509,8 +509,19 @@ class Fsdp {
     out.param_bytes = e * shard + (n == 1 ? 0 : e * unit);
     out.grad_bytes = 4 * shard + e * unit;
     out.optimizer_state_bytes = 4ull * args.optimizer_state_slots * shard;
-    out.device_bytes =
+    const uint64_t total =
         out.param_bytes + out.grad_bytes + out.optimizer_state_bytes + out.master_bytes;
+    if (args.config && config.Bool("cpu_offload")) {
+      // The fp32 shards (parameters or masters, gradient sums) and the optimizer state live on
+      // the host; the device keeps the compute copy of the shard and the gathered unit.
+      out.host_bytes = 4 * shard + 4 * shard + out.optimizer_state_bytes;
+      out.device_bytes = total - out.host_bytes + (e == 4 ? e * shard : 0);
+      out.formula =
+          "device eΨ/G + 2·e·unit (compute copy, a gathered unit and its gradient), host "
+          "(4 + 4 + 4k)Ψ/G (G = shard group)";
+      return;
+    }
+    out.device_bytes = total;
     out.formula =
         "(4 + 4 + 4k)Ψ/G (+ eΨ/G compute copy) + 2·e·unit: fp32 shards, k state "
         "slots, a gathered unit and its gradient (G = shard group)";

@@ -113,6 +113,11 @@ const cai_config_key kLaunchKeys[] = {
            kMinMax),
     IntKey("timeout_s", "300",
            "Seconds a collective or the rendezvous may take before the job fails.", 1, 0, kMin),
+    FloatKey("device_memory_gib", "0",
+             "Device memory one rank may use for model states, in GiB, which `cai plan` and "
+             "plugin.name = \"auto\" size strategies against (0 = this machine's memory divided "
+             "by the ranks).",
+             0, 0, kMin),
 };
 
 template <size_t N>
@@ -263,10 +268,15 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
                         " [plugin] takes 'name'; a strategy's options go in [plugin.<name>]");
       }
     }
-    if (const toml::table* options = (*plugin)[job.plugin].as_table()) {
-      std::ostringstream text;
-      text << *options;
-      job.plugin_table_toml = text.str();
+    for (const auto& [key, node] : *plugin) {
+      if (const toml::table* options = node.as_table()) {
+        std::ostringstream text;
+        text << *options;
+        job.plugin_tables[std::string(key.str())] = text.str();
+      }
+    }
+    if (auto it = job.plugin_tables.find(job.plugin); it != job.plugin_tables.end()) {
+      job.plugin_table_toml = it->second;
     }
   }
   resolved << "[plugin]\nname = \"" << job.plugin << "\"\n\n";

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,6 +27,9 @@ struct JobConfig {
   // The raw [plugin.<name>] table of the chosen plugin as TOML text ("" if absent); validated
   // against the plugin's own schema once the plugin is loaded.
   std::string plugin_table_toml;
+  // Every [plugin.<name>] table the job has, by plugin name, as TOML text: what
+  // plugin.name = "auto" keeps of the user's options for the strategy it picks.
+  std::map<std::string, std::string> plugin_tables;
 };
 
 // The job schema: the documented keys of each section, for `cai train --help-keys` and docs.

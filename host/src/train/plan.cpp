@@ -1,5 +1,6 @@
 #include "train/plan.h"
 
+#include <toml++/toml.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,7 +10,9 @@
 #include <sstream>
 
 #include "core/status.h"
+#include "loader/config.h"
 #include "loader/registry.h"
+#include "train/reference_strategy.h"
 
 namespace cai {
 namespace {
@@ -62,6 +65,63 @@ ModelSize ZooModelSize(const ModelConfig& c) {
   return size;
 }
 
+namespace {
+
+// The configurations auto considers, by plugin; `pp_size` is filled in per world.
+struct Candidate {
+  const char* plugin;
+  std::vector<std::pair<std::string, std::string>> options;
+};
+
+std::vector<Candidate> Candidates(int world_size, int64_t layers) {
+  // hybrid_parallel: one pipeline stage per rank as far as the blocks allow, ZeRO-1 across the
+  // pipelines the rest of the world forms.
+  int pp = 1;
+  for (int d = 1; d <= world_size && d <= layers; ++d) {
+    if (world_size % d == 0) pp = d;
+  }
+  return {
+      {"none", {}},
+      {"ddp", {}},
+      {"low_level_zero", {{"stage", "1"}}},
+      {"low_level_zero", {{"stage", "2"}}},
+      {"low_level_zero", {{"stage", "2"}, {"cpu_offload", "true"}}},
+      {"fsdp", {{"sharding_strategy", "\"FULL_SHARD\""}}},
+      {"fsdp", {{"sharding_strategy", "\"FULL_SHARD\""}, {"cpu_offload", "true"}}},
+      {"gemini", {}},
+      {"hybrid_parallel", {{"pp_size", std::to_string(pp)}, {"zero_stage", "1"}}},
+  };
+}
+
+std::string Label(const std::string& plugin,
+                  const std::vector<std::pair<std::string, std::string>>& options) {
+  std::string label = plugin;
+  for (size_t i = 0; i < options.size(); ++i) {
+    label += (i ? ", " : " (") + options[i].first + " = " + options[i].second;
+  }
+  return options.empty() ? label : label + ")";
+}
+
+// The user's [plugin.<name>] table with `options` added where the user set nothing, as a
+// table and as the options that were added.
+toml::table MergedTable(const JobConfig& job, const std::string& plugin,
+                        const std::vector<std::pair<std::string, std::string>>& options,
+                        std::vector<std::pair<std::string, std::string>>* added) {
+  toml::table table;
+  if (auto it = job.plugin_tables.find(plugin); it != job.plugin_tables.end()) {
+    table = toml::parse(it->second);
+  }
+  for (const auto& [key, literal] : options) {
+    if (table.contains(key)) continue;  // the user's value wins
+    toml::table parsed = toml::parse("v = " + literal);
+    table.insert(key, *parsed.get("v"));
+    added->emplace_back(key, literal);
+  }
+  return table;
+}
+
+}  // namespace
+
 Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::filesystem::path>& paths,
               const cai_host_api* host) {
   Plan plan;
@@ -74,40 +134,13 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
   }
   plan.size = ZooModelSize(ZooModelConfig(m));
   plan.precision = ParsePrecision(GetString(*job.train, "precision"));
-  plan.device_budget = MachineMemory() / static_cast<uint64_t>(world_size);
-
-  const double psi = static_cast<double>(plan.size.params);
-  const double n = world_size;
-  const bool mixed = plan.precision != CAI_PRECISION_FP32;
+  const double gib = GetFloat(*job.launch, "device_memory_gib");
+  plan.device_budget = gib > 0 ? static_cast<uint64_t>(gib * double(1ull << 30))
+                               : MachineMemory() / static_cast<uint64_t>(world_size);
   const std::string kind = GetString(*job.optimizer, "kind");
-  const double k = kind == "sgd" ? (GetFloat(*job.optimizer, "momentum") > 0 ? 4 : 0) : 8;
-  const double p = mixed ? 2 : 4;       // bytes of a parameter / gradient as trained
-  const double master = mixed ? 4 : 0;  // fp32 master copy
-  const double unit = static_cast<double>(plan.size.largest_unit);
-  // The ZeRO paper's per-rank formulas (Rajbhandari et al. 2020, §5 and Figure 1), K = master +
-  // optimizer state.
-  struct Formula {
-    const char* name;
-    const char* plugin;
-    double device;
-    double host;
-    const char* text;
-  };
-  const Formula formulas[] = {
-      {"ddp", "ddp", (p + p + master + k) * psi, 0, "(P + G + K)Ψ"},
-      {"low_level_zero stage 1", "low_level_zero", (p + p) * psi + (master + k) * psi / n, 0,
-       "(P + G)Ψ + KΨ/N"},
-      {"low_level_zero stage 2", "low_level_zero", p * psi + (p + master + k) * psi / n, 0,
-       "PΨ + (G + K)Ψ/N"},
-      {"low_level_zero stage 2 + cpu_offload", "low_level_zero", p * psi + p * psi / n,
-       (master + k + 4) * psi / n, "device PΨ + GΨ/N, host (K + 4)Ψ/N"},
-      {"fsdp (FULL_SHARD)", "fsdp", (p + p + master + k) * psi / n + 2 * (p + p) * unit, 0,
-       "(P + G + K)Ψ/N + 2 units gathered"},
-      {"gemini", "gemini", (p + p) * psi / n + 2 * (p + p) * unit, (master + k) * psi / n,
-       "device (P + G)Ψ/N + chunks in flight, host KΨ/N"},
-      {"hybrid_parallel (tp × pp × dp)", "hybrid_parallel", (p + p + master + k) * psi / n, 0,
-       "(P + G + K)Ψ/(tp·pp) with ZeRO-1 over dp"},
-  };
+  const uint32_t slots = kind == "sgd" ? (GetFloat(*job.optimizer, "momentum") > 0 ? 1 : 0) : 2;
+
+  // What can run here: installed plugins that load, and the built-in reference on one rank.
   std::map<std::string, const LoadedPlugin*> installed;
   for (const PluginRecord& r : DiscoverPlugins(PluginSearchPath(paths))) {
     if (!r.error.empty()) continue;
@@ -117,110 +150,142 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
       // A plugin that does not load is not a candidate; `cai plugins list` says why.
     }
   }
-  for (const Formula& f : formulas) {
-    StrategyEstimate e{f.name,
-                       f.plugin,
-                       installed.count(f.plugin) > 0,
-                       static_cast<uint64_t>(f.device),
-                       static_cast<uint64_t>(f.host),
-                       f.text};
-    plan.estimates.push_back(e);
+  std::vector<Candidate> candidates = Candidates(world_size, GetInt(m, "n_layer"));
+  for (const auto& [name, plugin] : installed) {  // third parties: their defaults
+    const bool known = std::any_of(candidates.begin(), candidates.end(),
+                                   [&](const Candidate& c) { return name == c.plugin; });
+    if (!known) candidates.push_back({name.c_str(), {}});
   }
-  // Third-party strategies that can estimate themselves.
-  for (const auto& [name, plugin] : installed) {
-    bool known = false;
-    for (const Formula& f : formulas) known = known || name == f.plugin;
-    if (known || !plugin->Has(&cai_plugin_api::estimate_memory)) continue;
-    auto defaults = ValidateConfig(plugin->schema, nullptr, "[plugin." + name + "]");
-    cai_memory_estimate_args args{};
-    args.struct_size = CAI_MEMORY_ESTIMATE_ARGS_STRUCT_SIZE;
-    args.config = defaults.get();
-    args.num_params = plan.size.params;
-    args.largest_unit_numel = plan.size.largest_unit;
-    args.world_size = world_size;
-    args.precision = plan.precision;
-    args.optimizer_state_slots = static_cast<uint32_t>(k / 4);
-    cai_memory_estimate out{};
-    out.struct_size = CAI_MEMORY_ESTIMATE_STRUCT_SIZE;
-    ThrowIfError(plugin->api->estimate_memory(&args, &out));
-    uint64_t total =
-        out.param_bytes + out.grad_bytes + out.optimizer_state_bytes + out.master_bytes;
-    plan.estimates.push_back({name, name, true, out.device_bytes ? out.device_bytes : total,
-                              out.host_bytes, out.formula ? out.formula : ""});
+  std::map<std::string, std::string> tables;  // label -> merged table text
+  for (const Candidate& c : candidates) {
+    StrategyEstimate e;
+    e.plugin = c.plugin;
+    const bool reference = e.plugin == "none";
+    if (reference && world_size != 1) continue;  // the reference runs on one rank only
+    const LoadedPlugin* plugin = nullptr;
+    if (auto it = installed.find(e.plugin); it != installed.end()) plugin = it->second;
+    e.installed = reference || plugin;
+    toml::table table = MergedTable(job, e.plugin, c.options, &e.options);
+    e.name = Label(e.plugin, e.options);
+    if (std::any_of(plan.estimates.begin(), plan.estimates.end(),
+                    [&](const StrategyEstimate& o) { return o.name == e.name; })) {
+      continue;  // the user's options made it the same as an earlier candidate
+    }
+    const cai_plugin_api* api = reference ? ReferenceStrategy(host)
+                                : plugin  ? plugin->api
+                                          : nullptr;
+    if (!e.installed) {
+      e.formula = "plugin '" + e.plugin + "' not installed";
+    } else if (!(reference || plugin->Has(&cai_plugin_api::estimate_memory))) {
+      e.formula = "no estimate: the plugin does not implement estimate_memory (ABI 1.1)";
+    } else {
+      const std::vector<ConfigKey> schema =
+          reference ? ReadSchema(api->config_keys, api->num_config_keys, "strategy 'none'")
+                    : plugin->schema;
+      auto missing = std::find_if(e.options.begin(), e.options.end(), [&](const auto& o) {
+        return std::none_of(schema.begin(), schema.end(),
+                            [&](const ConfigKey& k) { return k.name == o.first; });
+      });
+      if (missing != e.options.end()) {
+        e.formula = "not sized: this version of the plugin has no key '" + missing->first + "'";
+        e.installed = false;
+      } else {
+        auto config =
+            ValidateConfig(schema, &table,
+                           "[plugin." + e.plugin + "] in " +
+                               (job.file.empty() ? std::string("job") : job.file.string()));
+        cai_memory_estimate_args args{};
+        args.struct_size = CAI_MEMORY_ESTIMATE_ARGS_STRUCT_SIZE;
+        args.config = config.get();
+        args.num_params = plan.size.params;
+        args.largest_unit_numel = plan.size.largest_unit;
+        args.world_size = world_size;
+        args.precision = plan.precision;
+        args.optimizer_state_slots = slots;
+        cai_memory_estimate out{};
+        out.struct_size = CAI_MEMORY_ESTIMATE_STRUCT_SIZE;
+        ThrowIfError(api->estimate_memory(&args, &out));
+        const uint64_t total =
+            out.param_bytes + out.grad_bytes + out.optimizer_state_bytes + out.master_bytes;
+        e.estimated = true;
+        e.device_bytes = out.device_bytes ? out.device_bytes : total;
+        e.host_bytes = out.host_bytes;
+        e.formula = out.formula ? out.formula : "";
+      }
+    }
+    std::ostringstream text;
+    text << table;
+    tables[e.name] = text.str();
+    plan.estimates.push_back(std::move(e));
   }
 
-  // ColossalAI's sizing guide decides the order in which strategies are considered.
+  // ColossalAI's sizing guide decides the order in which plugins are considered; within a
+  // plugin, the candidates in the order listed (least memory saving first, the fastest).
   std::vector<std::string> order;
   std::string band;
   if (world_size == 1) {
-    order = {"none", "low_level_zero stage 2 + cpu_offload", "gemini"};
+    order = {"none", "low_level_zero", "fsdp", "gemini"};
     band = "one rank: no parallelism is needed unless the model does not fit";
   } else if (plan.size.params < 2 * kBillion) {
-    order = {"ddp", "low_level_zero stage 2", "fsdp (FULL_SHARD)", "gemini"};
+    order = {"ddp", "low_level_zero", "fsdp", "gemini"};
     band = "below 2B parameters ColossalAI recommends DDP";
   } else if (plan.size.params < 10 * kBillion) {
-    order = {"low_level_zero stage 2", "fsdp (FULL_SHARD)", "gemini", "ddp"};
+    order = {"low_level_zero", "fsdp", "gemini", "ddp"};
     band = "2B–10B parameters: low-level ZeRO or FSDP";
   } else if (plan.size.params < 60 * kBillion) {
-    order = {"gemini", "fsdp (FULL_SHARD)", "hybrid_parallel (tp × pp × dp)"};
+    order = {"gemini", "fsdp", "hybrid_parallel"};
     band = "above 10B parameters: Gemini";
   } else {
-    order = {"hybrid_parallel (tp × pp × dp)", "gemini"};
+    order = {"hybrid_parallel", "gemini"};
     band = "above 60B parameters: hybrid parallelism";
   }
-  const uint64_t replica = static_cast<uint64_t>((p + p + master + k) * psi);
+  auto fits = [&](const StrategyEstimate& e) { return e.device_bytes <= plan.device_budget; };
+  auto choose = [&](const StrategyEstimate& e, const std::string& why) {
+    plan.choice = e.plugin;
+    plan.choice_table = tables[e.name];
+    plan.reason = why;
+  };
   std::vector<std::string> passed;
-  auto fits = [&](uint64_t bytes) { return bytes <= plan.device_budget; };
-  for (const std::string& name : order) {
-    if (name == "none") {
-      if (fits(replica)) {
-        plan.choice = "none";
-        plan.reason =
-            band + "; the replica needs " + Bytes(replica) + " of " + Bytes(plan.device_budget);
-        return plan;
-      }
-      passed.push_back("none (needs " + Bytes(replica) + ")");
-      continue;
-    }
+  for (const std::string& plugin : order) {
     for (const StrategyEstimate& e : plan.estimates) {
-      if (e.name != name) continue;
-      if (!e.installed) {
-        passed.push_back(e.name + " (plugin '" + e.plugin + "' not installed)");
-      } else if (!fits(e.device_bytes)) {
+      if (e.plugin != plugin) continue;
+      if (!e.installed || !e.estimated) {
+        passed.push_back(e.name + " (" + e.formula + ")");
+      } else if (!fits(e)) {
         passed.push_back(e.name + " (needs " + Bytes(e.device_bytes) + ")");
       } else {
-        plan.choice = e.plugin;
-        plan.reason = band + "; " + e.name + " needs " + Bytes(e.device_bytes) + " per rank of " +
-                      Bytes(plan.device_budget);
+        std::string why = band + "; " + e.name + " needs " + Bytes(e.device_bytes) +
+                          " per rank of " + Bytes(plan.device_budget);
         if (!passed.empty()) {
-          plan.reason += " (passed over:";
-          for (const auto& s : passed) plan.reason += " " + s + ";";
-          plan.reason.back() = ')';
+          why += " (passed over:";
+          for (const auto& p : passed) why += " " + p + ";";
+          why.back() = ')';
         }
+        choose(e, why);
         return plan;
       }
     }
   }
-  // Nothing from the guide is installed: the smallest installed estimate that fits.
+  // Nothing from the guide fits: the installed configuration that needs least and fits.
   const StrategyEstimate* best = nullptr;
   for (const StrategyEstimate& e : plan.estimates) {
-    if (e.installed && fits(e.device_bytes) && (!best || e.device_bytes < best->device_bytes)) {
+    if (e.installed && e.estimated && fits(e) && (!best || e.device_bytes < best->device_bytes)) {
       best = &e;
     }
   }
   if (best) {
-    plan.choice = best->plugin;
-    plan.reason = band + ", but none of those is installed; '" + best->plugin +
-                  "' is the installed strategy that fits (" + Bytes(best->device_bytes) +
-                  " per rank)";
+    choose(*best, band + ", but none of those fits; '" + best->name +
+                      "' is the installed configuration that does (" + Bytes(best->device_bytes) +
+                      " per rank)");
     return plan;
   }
   std::string tried;
-  for (const auto& s : passed) tried += "\n  " + s;
+  for (const auto& p : passed) tried += "\n  " + p;
   throw Error(CAI_NOT_FOUND, "plugin.name = \"auto\": no installed strategy fits " +
                                  std::to_string(world_size) + " rank(s) of " +
                                  Bytes(plan.device_budget) + ":" + tried +
-                                 "\nInstall the strategy packages (cai-plugin-*) or add ranks");
+                                 "\nInstall the strategy packages (cai-plugin-*), add ranks, or "
+                                 "raise launch.device_memory_gib");
 }
 
 void PrintPlan(const Plan& plan, std::ostream& out) {
@@ -231,15 +296,23 @@ void PrintPlan(const Plan& plan, std::ostream& out) {
       << double(plan.size.params) / 1e9 << "B); largest unit " << plan.size.largest_unit
       << "\nranks: " << plan.world_size << ", precision " << precision
       << ", device memory per rank " << Bytes(plan.device_budget) << "\n\n";
-  out << std::left << std::setw(40) << "strategy" << std::setw(14) << "device/rank" << std::setw(14)
-      << "host/rank" << std::setw(11) << "installed"
-      << "formula\n";
+  size_t width = 10;
+  for (const StrategyEstimate& e : plan.estimates) width = std::max(width, e.name.size() + 2);
+  out << std::left << std::setw(static_cast<int>(width)) << "strategy" << std::setw(14)
+      << "device/rank" << std::setw(14) << "host/rank" << std::setw(11) << "installed"
+      << "formula (the plugin's own estimate)\n";
   for (const StrategyEstimate& e : plan.estimates) {
-    out << std::left << std::setw(40) << e.name << std::setw(14) << Bytes(e.device_bytes)
-        << std::setw(14) << Bytes(e.host_bytes) << std::setw(11) << (e.installed ? "yes" : "no")
-        << e.formula << "\n";
+    out << std::left << std::setw(static_cast<int>(width)) << e.name << std::setw(14)
+        << (e.estimated ? Bytes(e.device_bytes) : "-") << std::setw(14)
+        << (e.estimated ? Bytes(e.host_bytes) : "-") << std::setw(11)
+        << (e.installed ? "yes" : "no") << e.formula << "\n";
   }
   out << "\nauto picks: " << plan.choice << "\n  because " << plan.reason << "\n";
+  if (!plan.choice_table.empty()) {
+    out << "  and runs it with [plugin." << plan.choice << "]:\n";
+    std::istringstream lines(plan.choice_table);
+    for (std::string line; std::getline(lines, line);) out << "    " << line << "\n";
+  }
 }
 
 }  // namespace cai

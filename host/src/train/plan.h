@@ -22,13 +22,18 @@ struct ModelSize {
 };
 ModelSize ZooModelSize(const ModelConfig& config);
 
+// One configuration of one strategy: a plugin and the options it runs with.
 struct StrategyEstimate {
-  std::string name;    // "ddp", "low_level_zero (stage 2)", ...
+  std::string name;    // "low_level_zero (stage = 2, cpu_offload = true)"
   std::string plugin;  // the plugin it needs
+  // The [plugin.<plugin>] keys this configuration sets beyond the user's table, as TOML
+  // literals; what auto applies when it picks it.
+  std::vector<std::pair<std::string, std::string>> options;
   bool installed = false;
+  bool estimated = false;     // the plugin estimated itself (estimate_memory, ABI 1.1)
   uint64_t device_bytes = 0;  // per rank, model states (+ FSDP's gathered units)
   uint64_t host_bytes = 0;    // per rank, offloaded states
-  std::string formula;
+  std::string formula;        // the plugin's, or why there is no estimate
 };
 
 struct Plan {
@@ -38,14 +43,20 @@ struct Plan {
   uint64_t device_budget = 0;  // what one rank's device tier may hold
   std::vector<StrategyEstimate> estimates;
   std::string choice;  // plugin name auto picks
+  // The chosen plugin's [plugin.<choice>] table as auto runs it: the user's, plus the options
+  // of the configuration it sized (TOML text).
+  std::string choice_table;
   std::string reason;
 };
 
-// Builds the plan for `job` on `world_size` ranks. Installed plugins (found on the search
-// path) decide what auto may pick; a plugin's own estimate_memory (ABI 1.1) is used when it has
-// one. The choice follows ColossalAI's sizing guide (its docs, booster_plugins.md): DDP below 2B
-// parameters, low-level ZeRO / FSDP up to 10B, Gemini above, hybrid parallel beyond 60B; the
-// first installed strategy in that order whose per-rank memory fits the device budget wins.
+// Builds the plan for `job` on `world_size` ranks. Each candidate configuration (a plugin and
+// options: low_level_zero at stage 1, at stage 2, at stage 2 with cpu_offload, ...) is sized by
+// the installed plugin's own estimate_memory (ABI 1.1) with the user's [plugin.<name>] table
+// and the candidate's options; a plugin without one is listed and never picked. The choice
+// follows ColossalAI's sizing guide (its docs, booster_plugins.md): DDP below 2B parameters,
+// low-level ZeRO / FSDP up to 10B, Gemini above, hybrid parallel beyond 60B; the first
+// installed configuration in that order whose per-rank memory fits the device budget
+// (launch.device_memory_gib, or this machine's memory over the ranks) wins.
 Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::filesystem::path>& paths,
               const cai_host_api* host);
 

@@ -348,17 +348,28 @@ void Run::Barrier() {
   ThrowIfError(CommApi()->run(&args, nullptr));
 }
 
-// Rank 0 decides and tells the others, so ranks on machines of different sizes agree.
+// Rank 0 decides and tells the others, so ranks on machines of different sizes agree: the
+// plugin and the [plugin.<name>] table it runs with (the user's plus the options of the
+// configuration the plan sized), which then resolves as if the user had written it.
 void Run::ChooseAuto() {
-  std::vector<uint8_t> name(256, 0);
+  constexpr size_t kWire = 8192;
+  std::vector<uint8_t> wire(kWire, 0);
   if (env_.rank == 0) {
     Plan plan = MakePlan(job_, env_.world_size, options_.plugin_paths, host_);
     Log(CAI_LOG_INFO, "", "plugin.name = \"auto\" chose '" + plan.choice + "': " + plan.reason);
-    std::copy(plan.choice.begin(), plan.choice.end(), name.begin());
+    const std::string text = plan.choice + "\n" + plan.choice_table;
+    if (text.size() >= kWire) {
+      throw Error(CAI_INVALID_ARGUMENT, "plugin.name = \"auto\": the [plugin." + plan.choice +
+                                            "] table is " + std::to_string(text.size()) +
+                                            " bytes, more than the " + std::to_string(kWire - 1) +
+                                            " that travel to the other ranks; name the plugin "
+                                            "instead of \"auto\"");
+    }
+    std::copy(text.begin(), text.end(), wire.begin());
   }
   if (env_.world_size > 1) {
-    int64_t n = static_cast<int64_t>(name.size()), stride = 1;
-    cai_tensor t{name.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_UINT, 8, 1}, &n, &stride, 0};
+    int64_t n = static_cast<int64_t>(wire.size()), stride = 1;
+    cai_tensor t{wire.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_UINT, 8, 1}, &n, &stride, 0};
     cai_comm_args args{};
     args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
     args.op = CAI_COMM_BROADCAST;
@@ -366,7 +377,16 @@ void Run::ChooseAuto() {
     args.root = 0;
     ThrowIfError(CommApi()->run(&args, nullptr));
   }
-  job_.plugin = reinterpret_cast<const char*>(name.data());
+  const std::string text(reinterpret_cast<const char*>(wire.data()));
+  const size_t newline = text.find('\n');
+  job_.plugin = text.substr(0, newline);
+  job_.plugin_table_toml = newline == std::string::npos ? "" : text.substr(newline + 1);
+  // config.resolved.toml names what ran, not "auto".
+  const std::string from = "[plugin]\nname = \"auto\"";
+  if (const size_t at = job_.resolved_toml.find(from); at != std::string::npos) {
+    job_.resolved_toml.replace(at, from.size(),
+                               "[plugin]\nname = \"" + job_.plugin + "\"  # chosen by auto");
+  }
 }
 
 void Run::Setup() {

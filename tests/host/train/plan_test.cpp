@@ -3,11 +3,16 @@
 #include "train/plan.h"
 
 #include <gtest/gtest.h>
+#include <toml++/toml.h>
 
 #include <filesystem>
 #include <regex>
 
+#include "loader/config.h"
+#include "loader/registry.h"
 #include "model/model.h"
+#include "services/host_table.h"
+#include "train/job.h"
 #include "util/subprocess.h"
 
 namespace {
@@ -49,8 +54,9 @@ TEST(Plan, Cli_PrintsEveryStrategyAndAutosChoiceUsedByTrain) {
       RunCommand(std::string("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent ") +
                  CAI_EXE + " plan " + TINY_JOB + " --nproc 2");
   ASSERT_EQ(plan.code, 0) << plan.output;
-  for (const char* s : {"ddp", "low_level_zero stage 1", "low_level_zero stage 2", "fsdp", "gemini",
-                        "hybrid_parallel", "auto picks: "}) {
+  for (const char* s : {"ddp", "low_level_zero (stage = 1)", "low_level_zero (stage = 2)",
+                        "low_level_zero (stage = 2, cpu_offload = true)", "fsdp", "gemini",
+                        "hybrid_parallel (pp_size = 2, zero_stage = 1)", "auto picks: "}) {
     CAI_EXPECT_CONTAINS(plan.output, s);
   }
   std::smatch m;
@@ -71,6 +77,66 @@ TEST(Plan, Cli_PrintsEveryStrategyAndAutosChoiceUsedByTrain) {
 
   auto single = RunCommand(std::string(CAI_EXE) + " plan " + TINY_JOB + " --nproc 1");
   CAI_EXPECT_CONTAINS(single.output, "auto picks: none");
+}
+
+// The plan's figures are the plugins' own: each configuration's entry equals what the loaded
+// plugin's estimate_memory returns for those options.
+TEST(Plan, Estimates_AreThePluginsOwnForTheOptionsSized) {
+  cai::JobConfig job = cai::LoadJob(TINY_JOB, {});
+  const cai::Plan plan = cai::MakePlan(job, 2, {CAI_BUILD_PLUGIN_DIR}, cai::HostServicesTable());
+  const cai::StrategyEstimate* offload = nullptr;
+  for (const cai::StrategyEstimate& e : plan.estimates) {
+    if (e.name == "low_level_zero (stage = 2, cpu_offload = true)") offload = &e;
+  }
+  ASSERT_NE(offload, nullptr);
+  ASSERT_TRUE(offload->estimated);
+  for (const cai::PluginRecord& r :
+       cai::DiscoverPlugins(cai::PluginSearchPath({CAI_BUILD_PLUGIN_DIR}))) {
+    if (r.manifest.name != "low_level_zero" || !r.error.empty()) continue;
+    const cai::LoadedPlugin& plugin = cai::LoadPlugin(r.manifest, cai::HostServicesTable());
+    toml::table table = toml::parse("stage = 2\ncpu_offload = true\n");
+    auto config = cai::ValidateConfig(plugin.schema, &table, "test");
+    cai_memory_estimate_args args{};
+    args.struct_size = CAI_MEMORY_ESTIMATE_ARGS_STRUCT_SIZE;
+    args.config = config.get();
+    args.num_params = plan.size.params;
+    args.largest_unit_numel = plan.size.largest_unit;
+    args.world_size = 2;
+    args.precision = CAI_PRECISION_FP32;
+    args.optimizer_state_slots = 2;
+    cai_memory_estimate out{};
+    out.struct_size = CAI_MEMORY_ESTIMATE_STRUCT_SIZE;
+    ASSERT_EQ(plugin.api->estimate_memory(&args, &out), nullptr);
+    EXPECT_EQ(offload->device_bytes, out.device_bytes);
+    EXPECT_EQ(offload->host_bytes, out.host_bytes);
+    EXPECT_GT(out.host_bytes, 0u);
+    return;
+  }
+  FAIL() << "low_level_zero is not installed beside the cai under test";
+}
+
+// With a device budget only low_level_zero stage 2 with cpu_offload fits, auto runs exactly
+// that (stage 2, offload on), and keeps the options the user gave the plugin.
+TEST(Plan, Auto_RunsTheConfigurationItSized) {
+  char pattern[] = "/tmp/cai-auto-XXXXXX";
+  std::filesystem::path dir = mkdtemp(pattern);
+  // Ψ = 34688 fp32, Adam: stage 2 needs 10Ψ = 346,880 B per rank, with offload 6Ψ = 208,128 B.
+  auto train =
+      RunCommand(std::string("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent ") +
+                 CAI_EXE + " train " + TINY_JOB + " --nproc 2 --run-dir " + dir.string() +
+                 " --set plugin.name=auto --set train.steps=2 --set launch.device_memory_gib=0.0003"
+                 " --set plugin.low_level_zero.reduce_bucket_size_in_m=0.5");
+  ASSERT_EQ(train.code, 0) << train.output;
+  CAI_EXPECT_CONTAINS(train.output, "chose 'low_level_zero'");
+  const std::string resolved = cai::testing::ReadFile((dir / "config.resolved.toml").string());
+  CAI_EXPECT_CONTAINS(resolved, "name = \"low_level_zero\"");
+  CAI_EXPECT_CONTAINS(resolved, "stage = 2");
+  CAI_EXPECT_CONTAINS(resolved, "cpu_offload = true");
+  CAI_EXPECT_CONTAINS(resolved, "reduce_bucket_size_in_m = 0.5");
+  const std::string log = cai::testing::ReadFile((dir / "logs/rank-0.log").string());
+  CAI_EXPECT_CONTAINS(log, "stage 2");
+  CAI_EXPECT_CONTAINS(log, "masters and state offloaded to the host");
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

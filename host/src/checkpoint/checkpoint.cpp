@@ -332,6 +332,11 @@ struct CheckpointReader::State : cai_checkpoint {
 
   void ReadTensor(const std::string& name, int64_t offset, int64_t count,
                   const cai_tensor& dst) override {
+    if (!tensors.count(name)) {
+      if (const ShardedTensor* sharded = FindSharded(name)) {
+        return ReadSharded(name, *sharded, offset, count, dst);
+      }
+    }
     Location at{};
     const Entry& e = Find(tensors, name, "tensor", &at);
     const RankFileReader& file = files[at.file];
@@ -386,6 +391,15 @@ struct CheckpointReader::State : cai_checkpoint {
   }
 
   cai_ckpt_tensor_info TensorInfo(const std::string& name) override {
+    if (!tensors.count(name)) {
+      if (const ShardedTensor* sharded = FindSharded(name)) {
+        // The index keeps sizes, not shapes: a canonical tensor read from shards is 1-D.
+        cai_ckpt_tensor_info info = TensorInfo(ShardName(*sharded, 0));
+        info.ndim = 1;
+        info.shape[0] = sharded->numel;
+        return info;
+      }
+    }
     Location at{};
     const Entry& e = Find(tensors, name, "tensor", &at);
     cai_ckpt_tensor_info info{};
@@ -410,6 +424,110 @@ struct CheckpointReader::State : cai_checkpoint {
   int32_t SavedWorldSize() const override { return world_size; }
   const fs::path& Dir() const override { return dir; }
   bool Loading() const override { return true; }
+
+  // The sharded layout (docs/checkpoint-layout.md): a unit's members concatenated into one
+  // flat tensor, cut into shards of `shard` elements, written as "<prefix>/<unit>/param.<j>"
+  // and "<prefix>/<unit>/state<k>.<j>" with the index in meta "<prefix>.index". Reading a
+  // canonical name ("model/<p>", "optim/<p>/<k>") through it lets every strategy load such a
+  // checkpoint, not only the one that wrote it.
+  struct ShardedTensor {
+    std::string prefix;  // "fsdp/<unit>/param" or "fsdp/<unit>/state<k>"
+    int64_t offset = 0;  // of the parameter in the unit's flat tensor
+    int64_t numel = 0;
+    int64_t shard = 0;
+  };
+  struct ShardedParam {
+    std::string unit;
+    int64_t offset = 0, numel = 0, shard = 0;
+  };
+
+  static std::string ShardName(const ShardedTensor& t, int64_t j) {
+    return t.prefix + "." + std::to_string(j);
+  }
+
+  const ShardedTensor* FindSharded(const std::string& name) {
+    if (!sharded_index) {
+      sharded_index.emplace();
+      if (metas.count(kShardedIndexKey)) ParseShardedIndex(ReadMeta(kShardedIndexKey));
+    }
+    if (sharded_index->empty()) return nullptr;
+    std::string param, what = "param";
+    if (name.starts_with("model/")) {
+      param = name.substr(6);
+    } else if (name.starts_with("optim/")) {
+      const size_t slash = name.rfind('/');
+      if (slash <= 6) return nullptr;
+      param = name.substr(6, slash - 6);
+      what = "state" + name.substr(slash + 1);
+    } else {
+      return nullptr;
+    }
+    const auto p = sharded_index->find(param);
+    if (p == sharded_index->end()) return nullptr;
+    ShardedTensor t{kShardedPrefix + p->second.unit + "/" + what, p->second.offset, p->second.numel,
+                    p->second.shard};
+    if (!tensors.count(ShardName(t, 0))) return nullptr;
+    return &sharded_views.insert_or_assign(name, std::move(t)).first->second;
+  }
+
+  void ParseShardedIndex(const std::string& text) {
+    std::istringstream in(text);
+    std::string magic, word, unit;
+    int version = 0;
+    int64_t shards = 0, shard = 0;
+    const std::string where = "checkpoint " + dir.string() + ": meta '" + kShardedIndexKey + "'";
+    if (!(in >> magic >> version >> shards) || magic != "fsdp-sharded" || version != 1) {
+      throw Error(CAI_DATA_LOSS, where + " does not start with 'fsdp-sharded 1 <shards>'");
+    }
+    while (in >> word) {
+      if (word == "unit" && in >> unit >> shard && shard > 0) continue;
+      ShardedParam p{unit, 0, 0, shard};
+      std::string name;
+      if (word != "param" || unit.empty() || !(in >> p.offset >> p.numel) || p.offset < 0 ||
+          p.numel < 0) {
+        throw Error(CAI_DATA_LOSS, where + " is malformed at '" + word + "'");
+      }
+      in.get();
+      std::getline(in, name);
+      (*sharded_index)[name] = p;
+    }
+  }
+
+  // Elements [offset, offset + count) of a canonical tensor, from the shards that hold them.
+  void ReadSharded(const std::string& name, const ShardedTensor& t, int64_t offset, int64_t count,
+                   const cai_tensor& dst) {
+    if (count == 0) count = t.numel - offset;
+    if (offset < 0 || count < 0 || offset > t.numel || count > t.numel - offset) {
+      throw Error(CAI_OUT_OF_RANGE, "elements [" + std::to_string(offset) + ", " +
+                                        std::to_string(offset + count) + ") of tensor '" + name +
+                                        "' in " + dir.string() + ", which has " +
+                                        std::to_string(t.numel));
+    }
+    const std::string what = "destination of '" + name + "'";
+    if (CheckedNumel(dst, what) != count) {
+      throw Error(CAI_INVALID_ARGUMENT, what + " holds " + std::to_string(CheckedNumel(dst, what)) +
+                                            " elements but " + std::to_string(count) + " are read");
+    }
+    const size_t elem = DtypeBytes(dst.dtype);
+    for (int64_t done = 0; done < count;) {
+      const int64_t flat = t.offset + offset + done;
+      const int64_t j = flat / t.shard, in_shard = flat - j * t.shard;
+      const int64_t n = std::min(count - done, t.shard - in_shard);
+      cai_tensor part = dst;
+      int64_t shape = n, stride = 1;
+      part.ndim = 1;
+      part.shape = &shape;
+      part.strides = &stride;
+      part.byte_offset = dst.byte_offset + static_cast<size_t>(done) * elem;
+      ReadTensor(ShardName(t, j), in_shard, n, part);
+      done += n;
+    }
+  }
+
+  static constexpr const char* kShardedIndexKey = "fsdp.index";
+  static constexpr const char* kShardedPrefix = "fsdp/";
+  std::optional<std::map<std::string, ShardedParam>> sharded_index;  // parsed on first need
+  std::map<std::string, ShardedTensor> sharded_views;
 };
 
 CheckpointReader::CheckpointReader(const fs::path& dir, DeviceCopy copy)

@@ -255,6 +255,53 @@ TEST_F(CheckpointTest, MissingEntry_IsNotFoundNamingEntryAndCheckpoint) {
   EXPECT_STREQ(value, "untouched");
 }
 
+// fsdp's sharded layout read under canonical names: unit "u" holds a (4 elements at offset 0)
+// and b (3 at offset 4), cut into shards of 3 padded elements; a's slice [2, 4) spans shards 0
+// and 1, b straddles shards 1 and 2; optimizer slot 1 the same way.
+TEST_F(CheckpointTest, ShardedLayout_ReadsCanonicalNamesAcrossShards) {
+  auto save = [&](int64_t step, const std::string& index) {
+    CheckpointWriter writer(run_, step, 0, 1, "r");
+    for (int j = 0; j < 3; ++j) {
+      std::vector<float> shard = {float(3 * j), float(3 * j + 1), float(3 * j + 2)};
+      std::vector<float> state = {-shard[0], -shard[1], -shard[2]};
+      View p(shard, kFp32, {3});
+      View s(state, kFp32, {3});
+      Ok(Api().write_tensor(writer.handle(), ("fsdp/u/param." + std::to_string(j)).c_str(),
+                            &p.tensor));
+      Ok(Api().write_tensor(writer.handle(), ("fsdp/u/state1." + std::to_string(j)).c_str(),
+                            &s.tensor));
+    }
+    Ok(Api().write_meta(writer.handle(), "fsdp.index", index.c_str()));
+    return writer.Commit([] {});
+  };
+  const fs::path dir = save(1, "fsdp-sharded 1 3\nunit u 3\nparam 0 4 a\nparam 4 3 b\n");
+  CheckpointReader reader(dir);
+  std::vector<float> a(2), b(3), b_state(3);
+  View av(a, kFp32, {2});
+  View bv(b, kFp32, {3});
+  View bs(b_state, kFp32, {3});
+  Ok(Api().read_tensor(reader.handle(), "model/a", 2, 2, &av.tensor));
+  Ok(Api().read_tensor(reader.handle(), "model/b", 0, 0, &bv.tensor));
+  Ok(Api().read_tensor(reader.handle(), "optim/b/1", 0, 0, &bs.tensor));
+  EXPECT_EQ(a, (std::vector<float>{2, 3}));
+  EXPECT_EQ(b, (std::vector<float>{4, 5, 6}));
+  EXPECT_EQ(b_state, (std::vector<float>{-4, -5, -6}));
+  cai_ckpt_tensor_info info{};
+  info.struct_size = CAI_CKPT_TENSOR_INFO_STRUCT_SIZE;
+  Ok(Api().tensor_info(reader.handle(), "model/b", &info));
+  EXPECT_EQ(info.ndim, 1);
+  EXPECT_EQ(info.shape[0], 3);
+  ExpectStatus(Api().read_tensor(reader.handle(), "model/b", 2, 2, &av.tensor), CAI_OUT_OF_RANGE,
+               {"'model/b'", "which has 3"});
+  ExpectStatus(Api().read_tensor(reader.handle(), "model/c", 0, 0, &av.tensor), CAI_NOT_FOUND,
+               {"'model/c'"});
+
+  const fs::path bad = save(2, "fsdp-sharded 1 3\nunit u 3\nparma 0 4 a\n");
+  CheckpointReader bad_reader(bad);
+  ExpectStatus(Api().read_tensor(bad_reader.handle(), "model/a", 0, 0, &bv.tensor), CAI_DATA_LOSS,
+               {"meta 'fsdp.index'", "malformed at 'parma'"});
+}
+
 TEST_F(CheckpointTest, WritingDuringLoadOrReadingDuringSave_IsAFailedPrecondition) {
   std::vector<float> values{1, 2};
   View v(values, kFp32, {2});

@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """libcai_hybrid_parallel's pipeline (pp_size 2, 1F1B) against a hand-written PyTorch 1F1B peer
 (bench/peers/pp_gpt2_torch.py: the same GPT-2, stage split, micro-batches, AdamW and clipping
-on Gloo isend/irecv), and the pipeline bubble measured against its formula.
+on Gloo isend/irecv) and against PyTorch's own Pipe (bench/peers/gpipe_gpt2_torch.py: GPipe,
+single-process, two threads), and the pipeline bubble measured against its formula.
 
 Protocol as bench/ddp_bench.py: 2 ranks on this machine, one thread per rank, the runs of a
 pair one after the other so that load drifting on a shared machine hits both alike; each figure
@@ -14,7 +15,7 @@ backward) over the time in execute_pipeline; 1 - busy/total is the measured bubb
 compared with 1F1B's (p - 1)/(m + p - 1) and interleaved's (p - 1)/(v·m + p - 1) at
 m = 4, 8, 16 (--bubble).
 
-usage: bench/pp_bench.py BUILD_DIR [--pairs 5] [--steps 12] [--microbatches 8]
+usage: bench/pp_bench.py BUILD_DIR [--pairs 5 (0: bubble only)] [--steps 12] [--microbatches 8]
                          [job sizes of ddp_bench.py] [--bubble]
 """
 import argparse
@@ -63,24 +64,35 @@ def main():
     args = p.parse_args()
     build = args.build.resolve()
     m = args.microbatches
-    tok, rss = [], []
-    print(f"{'pair':>4} {'cai tok/s':>10} {'torch':>8} {'ratio':>6} {'cai RSS MiB':>11} "
-          f"{'torch':>7} {'cai bubble':>16}")
+    tok, rss, tok_gpipe, rss_gpipe = [], [], [], []
+    mib = 2 ** 20
+    print(f"{'pair':>4} {'cai tok/s':>10} {'1f1b':>7} {'gpipe':>7} {'ratio':>6} {'ratio':>6} "
+          f"{'cai RSS MiB':>11} {'1f1b':>7} {'gpipe':>7} {'bubble cai':>16} {'1f1b':>16}")
     with tempfile.TemporaryDirectory(prefix="pp_bench_") as tmp:
         for i in range(args.pairs):
             cai = run_cai(build, args, Path(tmp), i, m)
             cmd = peer_command(args, "pp_gpt2_torch.py") + ["--microbatches", str(m)]
             torch = run_peer_command(args, cmd)
+            cmd = peer_command(args, "gpipe_gpt2_torch.py") + ["--microbatches", str(m)]
+            gpipe = run_peer_command(args, cmd)
             tok.append(cai["tokens_per_s"] / torch["tokens_per_s"])
             rss.append(cai["peak_rss_bytes"] / torch["peak_rss_bytes"])
-            mib = 2 ** 20
-            print(f"{i + 1:>4} {cai['tokens_per_s']:>10.0f} {torch['tokens_per_s']:>8.0f} "
-                  f"{tok[-1]:>6.3f} {cai['peak_rss_bytes'] / mib:>11.1f} "
-                  f"{torch['peak_rss_bytes'] / mib:>7.1f} "
-                  f"{str([round(b, 3) for b in cai['bubble']]):>16}", flush=True)
-        print(f"BLAS (cai rank 0; the peer's torch loads the same libblas.so.3): {cai['blas']}")
-        print(f"tokens/s cai/torch 1F1B: median {spread(tok)} (target >= 1.2); "
-              f"peak RSS cai/torch: median {spread(rss)} (target <= 1)")
+            tok_gpipe.append(cai["tokens_per_s"] / gpipe["tokens_per_s"])
+            rss_gpipe.append(cai["peak_rss_bytes"] / gpipe["peak_rss_bytes"])
+            peer_bubble = [round(1 - b, 3) for b in torch["busy_fraction"]]
+            print(f"{i + 1:>4} {cai['tokens_per_s']:>10.0f} {torch['tokens_per_s']:>7.0f} "
+                  f"{gpipe['tokens_per_s']:>7.0f} {tok[-1]:>6.3f} {tok_gpipe[-1]:>6.3f} "
+                  f"{cai['peak_rss_bytes'] / mib:>11.1f} {torch['peak_rss_bytes'] / mib:>7.1f} "
+                  f"{gpipe['peak_rss_bytes'] / mib:>7.1f} "
+                  f"{str([round(b, 3) for b in cai['bubble']]):>16} {str(peer_bubble):>16}",
+                  flush=True)
+        if tok:
+            print(f"BLAS (cai rank 0; the peer's torch loads the same libblas.so.3): "
+                  f"{cai['blas']}")
+            print(f"tokens/s cai/torch 1F1B: median {spread(tok)} (target >= 1.2); "
+                  f"peak RSS cai/torch 1F1B: median {spread(rss)} (target <= 1)")
+            print(f"tokens/s cai/torch GPipe (Pipe, 1 process, 2 threads): median "
+                  f"{spread(tok_gpipe)}; peak RSS cai/GPipe: median {spread(rss_gpipe)}")
         if args.bubble:
             print(f"\n{'schedule':>12} {'m':>3} {'measured bubble (rank 0, rank 1)':>34} "
                   f"{'formula':>8}")

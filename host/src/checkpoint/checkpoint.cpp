@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -54,6 +56,22 @@ namespace {
 
 // Bytes moved per device copy or dtype conversion: bounds the temporary host buffer.
 constexpr size_t kChunkBytes = 16u << 20;
+
+// Fault injection, for the tests that prove saves atomic (tests/plugins/resume):
+// CAI_TEST_KILL_IN_SAVE="<rank>:<n>" makes that rank SIGKILL itself at the n-th point of a save
+// it reaches (each tensor or meta entry written, the rank file finished, and on rank 0 COMPLETE
+// written, the directory renamed into place, `latest` moved), counted over the process, as a
+// power cut or the OOM killer would stop it. Unset, this is one comparison per point.
+void SavePoint(int rank) {
+  static const std::pair<long, long> target = [] {
+    const char* v = std::getenv("CAI_TEST_KILL_IN_SAVE");
+    long r = -1, n = 0;
+    if (v == nullptr || std::sscanf(v, "%ld:%ld", &r, &n) != 2 || n < 1) return std::pair{-1L, 0L};
+    return std::pair{r, n};
+  }();
+  static long reached = 0;
+  if (target.first == rank && ++reached == target.second) ::raise(SIGKILL);
+}
 
 bool InHostMemory(const cai_tensor& t) {
   return t.device.device_type == CAI_DEVICE_CPU || t.device.device_type == CAI_DEVICE_CUDA_HOST;
@@ -188,6 +206,7 @@ struct CheckpointWriter::State : cai_checkpoint {
   std::optional<RankFileWriter> file;
 
   void WriteTensor(const std::string& name, const cai_tensor& t) override {
+    SavePoint(rank);
     RankFileWriter& out = Open(name);
     const std::string what = "tensor '" + name + "'";
     const int64_t numel = CheckedNumel(t, what);
@@ -215,6 +234,7 @@ struct CheckpointWriter::State : cai_checkpoint {
   }
 
   void WriteMeta(const std::string& key, const std::string& value) override {
+    SavePoint(rank);
     RankFileWriter& out = Open(key);
     const uint64_t offset = out.Reserve(EntryKind::kMeta, key, value.size());
     out.Write(offset, value.data(), value.size());
@@ -279,12 +299,14 @@ fs::path CheckpointWriter::Commit(const std::function<void()>& barrier) {
   s.file->Finish();
   s.file.reset();
   FsyncDir(s.tmp_dir);
+  SavePoint(s.rank);
   barrier();
   if (s.rank == 0) {
     std::ostringstream complete;
     complete << "step = " << s.step << "\nworld_size = " << s.world_size << "\n";
     WriteFileDurably(s.tmp_dir / kCompleteFile, complete.str());
     FsyncDir(s.tmp_dir);
+    SavePoint(s.rank);
     // rename() cannot replace a non-empty directory; move an old save of this step aside.
     const fs::path old_dir = s.run_dir / (StepDirName(s.step) + ".old-" + s.run_id);
     std::error_code ec;
@@ -292,10 +314,12 @@ fs::path CheckpointWriter::Commit(const std::function<void()>& barrier) {
     if (replacing) Rename(s.final_dir, old_dir);
     Rename(s.tmp_dir, s.final_dir);
     FsyncDir(s.run_dir);
+    SavePoint(s.rank);
     const fs::path latest_tmp = s.run_dir / (std::string(kLatestFile) + ".tmp-" + s.run_id);
     WriteFileDurably(latest_tmp, StepDirName(s.step) + "\n");
     Rename(latest_tmp, s.run_dir / kLatestFile);
     FsyncDir(s.run_dir);
+    SavePoint(s.rank);
     if (replacing) fs::remove_all(old_dir, ec);
   }
   barrier();

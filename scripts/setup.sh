@@ -13,6 +13,7 @@ packages=(
   binutils file           # readelf/nm checks of plugins
   rpm lintian dpkg-dev fakeroot  # deb/rpm packaging and its test
   clang-format            # the style test
+  clang libclang-rt-14-dev  # libFuzzer targets (scripts/fuzz.sh)
 )
 if [[ ${1:-} == --bench ]]; then
   packages+=(python3-torch)  # bench/peers: PyTorch 1.13 DDP, ZeRO and 1F1B on Gloo

@@ -8,3 +8,6 @@ build=${CAI_BUILD_DIR:-build}
 # Every test, the packaging one included (it builds, installs and purges the deb and rpm
 # packages as root, alone: ctest -L packaging runs only it).
 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" --timeout 900
+# A short run of each fuzz target over its kept corpus (scripts/fuzz.sh; 10 minutes each by
+# default when run by hand).
+scripts/fuzz.sh --seconds "${CAI_FUZZ_SECONDS:-20}"

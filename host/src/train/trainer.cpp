@@ -357,6 +357,13 @@ void Run::ChooseAuto() {
   if (env_.rank == 0) {
     Plan plan = MakePlan(job_, env_.world_size, options_.plugin_paths, host_);
     Log(CAI_LOG_INFO, "", "plugin.name = \"auto\" chose '" + plan.choice + "': " + plan.reason);
+    for (const auto& [name, table] : job_.plugin_tables) {
+      if (name == plan.choice) continue;
+      const auto where = job_.plugin_table_where.find(name);
+      Log(CAI_LOG_INFO, "",
+          "[plugin." + name + "]" + (where == job_.plugin_table_where.end() ? "" : where->second) +
+              " is not used: plugin.name = \"auto\" chose '" + plan.choice + "'");
+    }
     const std::string text = plan.choice + "\n" + plan.choice_table;
     if (text.size() >= kWire) {
       throw Error(CAI_INVALID_ARGUMENT, "plugin.name = \"auto\": the [plugin." + plan.choice +
@@ -886,6 +893,15 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
 
 int RunTrain(const TrainOptions& options) {
   JobConfig job = LoadJob(options.job_file, options.sets);
+  // Before any rank starts, so that a misspelt table fails once, not once per rank.
+  std::vector<std::string> installed;
+  for (const PluginRecord& r : DiscoverPlugins(PluginSearchPath(options.plugin_paths))) {
+    if (!r.manifest.name.empty()) installed.push_back(r.manifest.name);
+  }
+  const std::optional<launch::RankEnv> rank_env = launch::DetectRankEnv();
+  for (const std::string& unused : CheckPluginTables(job, installed)) {
+    if (!rank_env || rank_env->rank == 0) Log(CAI_LOG_WARN, "", unused);
+  }
   fs::path run_dir = options.run_dir.empty() ? DefaultRunDir(options.job_file) : options.run_dir;
   // What each launched rank runs: this command again, with the run directory fixed so that
   // every rank writes to the same one.
@@ -906,7 +922,7 @@ int RunTrain(const TrainOptions& options) {
   launch.env.emplace_back("CAI_LAUNCHER", "local");
   launch.master_addr = GetString(*job.launch, "master_addr");
   launch.master_port = static_cast<int>(GetInt(*job.launch, "master_port"));
-  if (launch.nproc > 1 && !launch::DetectRankEnv()) {
+  if (launch.nproc > 1 && !rank_env) {
     std::cerr << "cai: launching " << launch.nproc << " ranks; logs in "
               << (run_dir / "logs").string() << "\n";
   }

@@ -8,6 +8,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <ctime>
 #include <fstream>
 #include <iomanip>
@@ -859,30 +860,40 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
   // Before any thread starts and any tensor exists: LibTorch's own allocations (activations,
   // temporaries) are counted from here, for summary.json's framework_peak_bytes.
   InstallFrameworkAllocator();
-  InitLogging(env.rank, CAI_LOG_INFO, std::getenv("CAI_LAUNCHER") == nullptr);
-  std::error_code ec;
-  fs::create_directories(run_dir / "logs", ec);
-  if (ec) {
-    throw Error(CAI_PERMISSION_DENIED,
-                "run directory " + run_dir.string() + " cannot be created: " + ec.message());
-  }
-  AddLogFile((run_dir / "logs" / ("rank-" + std::to_string(env.rank) + ".log")).string());
-  Log(CAI_LOG_INFO, "",
-      "rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) + " (pid " +
-          std::to_string(getpid()) + ", joined through " + env.launcher + ")");
-  CommOptions comm;
-  comm.rank = env.rank;
-  comm.world_size = env.world_size;
-  comm.master_addr = env.master_addr;
-  comm.master_port = env.master_port;
-  comm.timeout = std::chrono::seconds(GetInt(*job.launch, "timeout_s"));
-  Communicator::Init(comm);
+  const bool launched_locally = std::getenv("CAI_LAUNCHER") != nullptr;
+  InitLogging(env.rank, CAI_LOG_INFO, !launched_locally);
   try {
+    std::error_code ec;
+    fs::create_directories(run_dir / "logs", ec);
+    if (ec) {
+      throw Error(CAI_PERMISSION_DENIED,
+                  "run directory " + run_dir.string() + " cannot be created: " + ec.message());
+    }
+    AddLogFile((run_dir / "logs" / ("rank-" + std::to_string(env.rank) + ".log")).string());
+    Log(CAI_LOG_INFO, "",
+        "rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) + " (pid " +
+            std::to_string(getpid()) + ", joined through " + env.launcher + ")");
+    CommOptions comm;
+    comm.rank = env.rank;
+    comm.world_size = env.world_size;
+    comm.master_addr = env.master_addr;
+    comm.master_port = env.master_port;
+    comm.timeout = std::chrono::seconds(GetInt(*job.launch, "timeout_s"));
+    Communicator::Init(comm);
     int code = Run(options, std::move(job), env, run_dir).Execute();
     Communicator::Shutdown();
     return code;
   } catch (const std::exception& e) {
-    Log(CAI_LOG_ERROR, "", e.what());
+    if (launched_locally) {
+      // The log file keeps it; the launcher prints it once for all the ranks that hit it.
+      SetConsoleLogging(false);
+      Log(CAI_LOG_ERROR, "", e.what());
+      const std::string line = launch::RankErrorLine(e.what()) + "\n";
+      std::fwrite(line.data(), 1, line.size(), stderr);
+      std::fflush(stderr);
+    } else {
+      Log(CAI_LOG_ERROR, "", e.what());
+    }
     // Other ranks may be waiting in a collective: the launcher (or the job scheduler) stops
     // them once this rank exits non-zero.
     std::_Exit(1);

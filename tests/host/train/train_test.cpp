@@ -421,6 +421,90 @@ TEST(TrainBadInput, TokenFileWithOddLengthOrIdsBeyondVocab) {
   CAI_EXPECT_CONTAINS(r.output, "300");
 }
 
+TEST(TrainBadInput, MisspeltPluginTable_NamesTableAndNearestPlugin) {
+  ExpectRefused(
+      {"misspelt table in the file",
+       "[plugin]\nname = \"none\"\n\n[plugin.fdsp]\nsharding_strategy = \"FULL_SHARD\"\n",
+       "",
+       {"[plugin.fdsp] (line 4) in $DIR/job.toml names no plugin", "Did you mean [plugin.fsdp]?"}});
+  ExpectRefused({"misspelt table from --set",
+                 "",
+                 "--set plugin.fdsp.sharding_strategy=FULL_SHARD",
+                 {"[plugin.fdsp] (from --set plugin.fdsp.sharding_strategy=FULL_SHARD)",
+                  "names no plugin", "Did you mean [plugin.fsdp]?"}});
+  // plugin.name = "auto" may choose any real plugin, but a misspelt one never.
+  ExpectRefused({"misspelt table under auto",
+                 "",
+                 "--set plugin.name=auto --set plugin.lowlevel_zero.stage=2",
+                 {"[plugin.lowlevel_zero]", "Did you mean [plugin.low_level_zero]?"}});
+}
+
+TEST(TrainBadInput, AnotherPluginsTable_IsAWarningThatItIsUnused) {
+  TempDir dir;
+  Result r = Train(std::string(TINY_JOB) + " --run-dir " + dir.str() +
+                   " --set train.steps=1 --set plugin.ddp.bucket_cap_mb=4");
+  ASSERT_EQ(r.code, 0) << r.output;
+  CAI_EXPECT_CONTAINS(r.output, "[plugin.ddp] (from --set plugin.ddp.bucket_cap_mb=4) in " +
+                                    std::string(TINY_JOB) + " is not used: plugin.name = \"none\"");
+}
+
+TEST(TrainBadInput, EnumValue_ListsTheChoicesAndNamesSetOption) {
+  ExpectRefused({"enum from --set",
+                 "",
+                 "--set train.precision=fp8",
+                 {"key 'precision' (from --set train.precision=fp8): \"fp8\" is not one of "
+                  "\"fp32\", \"bf16\", \"fp16\""}});
+  ExpectRefused({"enum in the file",
+                 "[train]\nprecision = \"bf61\"\n",
+                 "",
+                 {"key 'precision' (line 2): \"bf61\" is not one of \"fp32\", \"bf16\", "
+                  "\"fp16\" (did you mean \"bf16\"?)"}});
+  ExpectRefused({"wrong type from --set",
+                 "",
+                 "--set train.steps=many",
+                 {"key 'steps' (from --set train.steps=many): expected an integer, got string"}});
+  ExpectRefused({"[plugin] key from --set",
+                 "",
+                 "--set plugin.initial_scale=x",
+                 {"'plugin.initial_scale' (from --set plugin.initial_scale=x)"}});
+  ExpectRefused({"strategy's key from --set",
+                 "",
+                 "--set plugin.none.initial_scale=x",
+                 {"[plugin.none] in " + std::string(TINY_JOB) +
+                  ": key 'initial_scale' (from --set plugin.none.initial_scale=x): expected a "
+                  "number, got string \"x\""}});
+}
+
+TEST(TrainBadInput, EverythingFrozen_SaysNoTrainableParametersWithoutBacktrace) {
+  TempDir dir;
+  Result r = Train(std::string(TINY_JOB) + " --run-dir " + dir.str() + " --set model.freeze=*");
+  EXPECT_NE(r.code, 0);
+  CAI_EXPECT_CONTAINS(r.output,
+                      "none: the model has no trainable parameters; unfreeze some (model.freeze)");
+  EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
+}
+
+// Every rank hits the same missing file: the launcher prints the message once, naming both
+// ranks, before its summary.
+TEST(TrainBadInput, SameErrorOnEveryRank_PrintedOnceWithTheRanks) {
+  TempDir dir;
+  Result r = Train(std::string(TINY_JOB) + " --run-dir " + dir.str() +
+                   " --nproc 2 --set plugin.name=ddp --set data.source=tokens "
+                   "--set data.path=/nonexistent/tokens.bin");
+  EXPECT_NE(r.code, 0);
+  CAI_EXPECT_CONTAINS(r.output, "cai: error: ranks 0,1: ");
+  size_t count = 0;
+  for (size_t at = 0; (at = r.output.find("/nonexistent/tokens.bin", at)) != std::string::npos;
+       ++at) {
+    ++count;
+  }
+  EXPECT_EQ(count, 1u) << r.output;
+  EXPECT_LT(r.output.find("cai: error: ranks 0,1: "), r.output.find("exited with status"))
+      << r.output;
+  CAI_EXPECT_CONTAINS(ReadFile((dir / "logs/rank-1.log").string()), "/nonexistent/tokens.bin");
+}
+
 TEST(TrainBadInput, NprocZeroAndUnknownPlugin) {
   ExpectRefused({"nproc 0", "", "--nproc 0", {"--nproc"}});
   ExpectRefused({"unknown plugin",

@@ -477,7 +477,22 @@ void Run::Setup() {
   if (has_layout) LearnLayout();
 
   if (GetBool(*job_.checkpoint, "resume")) {
-    if (auto latest = ckpt::FindLatestCheckpoint(run_dir_ / "checkpoints")) {
+    const fs::path checkpoints = run_dir_ / "checkpoints";
+    std::vector<std::string> skipped;
+    const auto latest = ckpt::FindLatestCheckpoint(checkpoints, &skipped);
+    if (env_.rank == 0) {
+      for (const std::string& dir : skipped) {
+        Log(CAI_LOG_WARN, "",
+            "checkpoint.resume: skipped " + dir +
+                (latest ? "; resuming from the older " + latest->filename().string() : ""));
+      }
+      if (!latest) {
+        Log(skipped.empty() ? CAI_LOG_INFO : CAI_LOG_WARN, "",
+            "checkpoint.resume = true, but " + checkpoints.string() +
+                " holds no complete checkpoint: training starts at step 1");
+      }
+    }
+    if (latest) {
       ckpt::CheckpointReader reader(*latest);
       cai_checkpoint_args args{};
       args.struct_size = CAI_CHECKPOINT_ARGS_STRUCT_SIZE;
@@ -492,7 +507,26 @@ void Run::Setup() {
     }
   }
   if (env_.rank == 0) {
-    metrics_.open(run_dir_ / "metrics.jsonl", start_step_ > 0 ? std::ios::app : std::ios::trunc);
+    // A resumed run appends; a run that starts at step 1 keeps an earlier run's metrics as
+    // metrics.jsonl.N (the lowest N free) and starts a new file.
+    const fs::path metrics = run_dir_ / "metrics.jsonl";
+    std::error_code ec;
+    if (start_step_ == 0 && fs::exists(metrics, ec)) {
+      fs::path kept;
+      for (int n = 1; kept.empty() || fs::exists(kept, ec); ++n) {
+        kept = run_dir_ / ("metrics.jsonl." + std::to_string(n));
+      }
+      fs::rename(metrics, kept, ec);
+      if (ec) {
+        throw Error(CAI_PERMISSION_DENIED,
+                    metrics.string() + " of an earlier run cannot be kept as " + kept.string() +
+                        ": " + ec.message() + "; move it away or choose another --run-dir");
+      }
+      Log(CAI_LOG_WARN, "",
+          "this run starts at step 1; the earlier " + metrics.string() + " is kept as " +
+              kept.filename().string());
+    }
+    metrics_.open(metrics, start_step_ > 0 ? std::ios::app : std::ios::trunc);
     if (!metrics_)
       throw Error(CAI_PERMISSION_DENIED,
                   (run_dir_ / "metrics.jsonl").string() + ": cannot be written");

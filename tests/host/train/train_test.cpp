@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "checkpoint/rank_file.h"
 #include "util/subprocess.h"
 
 namespace {
@@ -187,6 +188,80 @@ TEST(Train, Resume_ContinuesBitForBit) {
   ASSERT_EQ(second.code, 0) << second.output;
   CAI_EXPECT_CONTAINS(second.output, "resumed from");
   EXPECT_EQ(LossTexts(straight / ""), LossTexts(resumed / ""));
+}
+
+size_t LineCount(const fs::path& file) {
+  std::ifstream in(file);
+  size_t n = 0;
+  for (std::string line; std::getline(in, line);) ++n;
+  return n;
+}
+
+TEST(Train, ResumeFindingOnlyAnIncompleteCheckpoint_SaysSoAndKeepsEarlierMetrics) {
+  TempDir dir;
+  const std::string job = std::string(TINY_JOB) + " --run-dir " + dir.str();
+  ASSERT_EQ(Train(job + " --set train.steps=4 --set checkpoint.at_end=true").code, 0);
+  ASSERT_EQ(LineCount(dir / "metrics.jsonl"), 4u);
+  const fs::path step4 = dir / "checkpoints" / "step-000004";
+  fs::remove(step4 / "COMPLETE");  // as if the save had been cut short
+  fs::create_directories(dir / "checkpoints" / "step-000006.tmp-local-1");
+
+  Result r = Train(job + " --set train.steps=3 --set checkpoint.resume=true");
+  ASSERT_EQ(r.code, 0) << r.output;
+  CAI_EXPECT_CONTAINS(r.output, "checkpoint.resume: skipped " + step4.string() +
+                                    " (no COMPLETE marker: its save did not finish)");
+  CAI_EXPECT_CONTAINS(r.output, "step-000006.tmp-local-1 (temporary directory of a save");
+  CAI_EXPECT_CONTAINS(r.output, "holds no complete checkpoint: training starts at step 1");
+  CAI_EXPECT_CONTAINS(r.output, "is kept as metrics.jsonl.1");
+  EXPECT_EQ(LineCount(dir / "metrics.jsonl.1"), 4u) << "the first run's metrics";
+  EXPECT_EQ(LineCount(dir / "metrics.jsonl"), 3u);
+
+  // A third start from step 1 keeps the second run's file too.
+  ASSERT_EQ(Train(job + " --set train.steps=2").code, 0);
+  EXPECT_EQ(LineCount(dir / "metrics.jsonl.1"), 4u);
+  EXPECT_EQ(LineCount(dir / "metrics.jsonl.2"), 3u);
+  EXPECT_EQ(LineCount(dir / "metrics.jsonl"), 2u);
+}
+
+TEST(Train, ResumePassingOverANewerIncompleteCheckpoint_NamesIt) {
+  TempDir dir;
+  const std::string job = std::string(TINY_JOB) + " --run-dir " + dir.str();
+  ASSERT_EQ(Train(job + " --set train.steps=4 --set checkpoint.every=2").code, 0);
+  const fs::path step4 = dir / "checkpoints" / "step-000004";
+  fs::remove(step4 / "COMPLETE");
+  Result r = Train(job + " --set checkpoint.resume=true");
+  ASSERT_EQ(r.code, 0) << r.output;
+  CAI_EXPECT_CONTAINS(r.output, "checkpoint.resume: skipped " + step4.string() +
+                                    " (no COMPLETE marker: its save did not finish); resuming "
+                                    "from the older step-000002");
+  CAI_EXPECT_CONTAINS(r.output, "resumed from " + (dir / "checkpoints" / "step-000002").string());
+  EXPECT_FALSE(fs::exists(dir / "metrics.jsonl.1")) << "a resumed run appends";
+}
+
+TEST(Train, ResumeFromCheckpointWithZeroedTensorBytes_FailsNamingFileTensorAndEarlierOne) {
+  TempDir dir;
+  const std::string job = std::string(TINY_JOB) + " --run-dir " + dir.str();
+  ASSERT_EQ(Train(job + " --set train.steps=4 --set checkpoint.every=2").code, 0);
+  const fs::path file = dir / "checkpoints" / "step-000004" / cai::ckpt::RankFileName(0);
+  cai::ckpt::Entry largest;
+  const cai::ckpt::RankFileReader reader(file);
+  for (const cai::ckpt::Entry& e : reader.entries()) {
+    if (e.kind == cai::ckpt::EntryKind::kTensor && e.bytes > largest.bytes) largest = e;
+  }
+  ASSERT_GE(largest.bytes, 8192u) << largest.name;
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(largest.offset + 2048));
+    const std::string zeros(4096, '\0');
+    f.write(zeros.data(), static_cast<std::streamsize>(zeros.size()));
+  }
+  Result r = Train(job + " --set checkpoint.resume=true");
+  EXPECT_NE(r.code, 0) << r.output;
+  CAI_EXPECT_CONTAINS(
+      r.output, "checkpoint file " + file.string() + ": tensor '" + largest.name + "' is damaged");
+  CAI_EXPECT_CONTAINS(r.output,
+                      "Earlier checkpoints in " + (dir / "checkpoints").string() + ": step-000002");
+  EXPECT_EQ(r.output.find("resumed from"), std::string::npos) << r.output;
 }
 
 TEST(Train, GradientAccumulation_MatchesOneBatch) {

@@ -50,9 +50,10 @@ uint32_t Crc32cPortable(uint32_t crc, const void* data, size_t bytes) {
 
 #if defined(__x86_64__)
 
-// One `crc32` per 8 bytes: with its 3-cycle latency one dependent chain runs at ~2.7 bytes
-// per cycle (~8 GB/s at 3 GHz), beyond the disk a checkpoint is read from; interleaving three
-// streams would triple it but needs a CRC combine step, which this does not.
+// One `crc32` per 8 bytes: with its 3-cycle latency one dependent chain runs at up to ~2.7
+// bytes per cycle (measured: 4.2 GB/s on a loaded 2-core build machine, against 1.0 GB/s for
+// the tables), faster than the disk a checkpoint is read from; interleaving three streams
+// would triple it but needs a CRC combine step, which this does not.
 __attribute__((target("sse4.2"))) uint32_t Crc32cHardware(uint32_t crc, const void* data,
                                                           size_t bytes) {
   const auto* p = static_cast<const unsigned char*>(data);

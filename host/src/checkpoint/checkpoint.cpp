@@ -184,6 +184,38 @@ bool IsComplete(const fs::path& dir) {
   return fs::is_regular_file(dir / kCompleteFile, ec);
 }
 
+// The complete step directories of `run_dir`, newest first.
+std::vector<std::pair<int64_t, fs::path>> CompleteCheckpoints(const fs::path& run_dir) {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  std::error_code ec;
+  for (const fs::directory_entry& entry : fs::directory_iterator(run_dir, ec)) {
+    const std::optional<int64_t> step = StepOfDirName(entry.path().filename().string());
+    if (step && entry.is_directory(ec) && IsComplete(entry.path())) {
+      found.emplace_back(*step, entry.path());
+    }
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a > b; });
+  return found;
+}
+
+// What to do about a damaged checkpoint `dir`: the complete ones saved before it, and how to
+// resume from the newest of them.
+std::string DamagedAdvice(const fs::path& dir, int64_t step) {
+  const fs::path run_dir = dir.parent_path();
+  std::string earlier;
+  for (const auto& [s, path] : CompleteCheckpoints(run_dir)) {
+    if (s < step) earlier += (earlier.empty() ? "" : ", ") + path.filename().string();
+  }
+  std::string text = ". The checkpoint " + dir.string() + " is damaged and cannot be loaded. ";
+  if (earlier.empty()) {
+    return text + "No earlier complete checkpoint is in " + run_dir.string() +
+           ": restore the file from a copy, or start the run again without checkpoint.resume";
+  }
+  return text + "Earlier checkpoints in " + run_dir.string() + ": " + earlier +
+         ". To resume from the newest of them, move this one aside (mv " + dir.string() + " " +
+         dir.string() + ".damaged) and run again with checkpoint.resume = true";
+}
+
 }  // namespace
 
 std::string StepDirName(int64_t step) {
@@ -343,6 +375,17 @@ struct CheckpointReader::State : cai_checkpoint {
   std::map<std::string, Location> metas;
   std::map<std::string, std::string> meta_values;  // read_meta's strings live here
 
+  // Reads through ReadEntry, adding what to do when the data is damaged.
+  void ReadVerified(const RankFileReader& file, const Entry& e, uint64_t begin, void* data,
+                    size_t bytes) const {
+    try {
+      file.ReadEntry(e, begin, data, bytes);
+    } catch (const Error& error) {
+      if (error.code() != CAI_DATA_LOSS) throw;
+      throw Error(CAI_DATA_LOSS, error.what() + DamagedAdvice(dir, step));
+    }
+  }
+
   const Entry& Find(const std::map<std::string, Location>& table, const std::string& name,
                     const char* kind, Location* where) const {
     const auto it = table.find(name);
@@ -390,10 +433,10 @@ struct CheckpointReader::State : cai_checkpoint {
 
     const size_t src_size = DtypeBytes(e.dtype);
     const size_t dst_size = DtypeBytes(dst.dtype);
-    const uint64_t src_begin = e.offset + static_cast<uint64_t>(offset) * src_size;
+    const uint64_t src_begin = static_cast<uint64_t>(offset) * src_size;  // within the entry
     auto* dst_bytes = static_cast<char*>(dst.data) + dst.byte_offset;
     if (same && host) {
-      file.Read(src_begin, dst_bytes, static_cast<size_t>(count) * src_size);
+      ReadVerified(file, e, src_begin, dst_bytes, static_cast<size_t>(count) * src_size);
       return;
     }
     const size_t chunk = std::max<size_t>(1, kChunkBytes / std::max(src_size, dst_size));
@@ -401,7 +444,8 @@ struct CheckpointReader::State : cai_checkpoint {
     std::vector<char> out(same ? 0 : chunk * dst_size);
     for (int64_t done = 0; done < count; done += static_cast<int64_t>(chunk)) {
       const size_t n = std::min<size_t>(chunk, static_cast<size_t>(count - done));
-      file.Read(src_begin + static_cast<uint64_t>(done) * src_size, in.data(), n * src_size);
+      ReadVerified(file, e, src_begin + static_cast<uint64_t>(done) * src_size, in.data(),
+                   n * src_size);
       const char* converted = in.data();
       if (!same) {
         // Straight into host memory when possible; through `out` for the device copy.
@@ -441,7 +485,7 @@ struct CheckpointReader::State : cai_checkpoint {
     Location at{};
     const Entry& e = Find(metas, key, "meta entry", &at);
     std::string value(e.bytes, '\0');
-    files[at.file].Read(e.offset, value.data(), value.size());
+    ReadVerified(files[at.file], e, 0, value.data(), value.size());
     return meta_values.emplace(key, std::move(value)).first->second.c_str();
   }
 
@@ -576,7 +620,12 @@ CheckpointReader::CheckpointReader(const fs::path& dir, DeviceCopy copy)
                 (dir / kCompleteFile).string() + " has world_size " + std::to_string(s.world_size));
   }
   for (int r = 0; r < s.world_size; ++r) {
-    s.files.emplace_back(dir / RankFileName(r));
+    try {
+      s.files.emplace_back(dir / RankFileName(r));
+    } catch (const Error& error) {
+      if (error.code() != CAI_DATA_LOSS) throw;
+      throw Error(CAI_DATA_LOSS, error.what() + DamagedAdvice(dir, s.step));
+    }
     const RankFileReader& f = s.files.back();
     if (f.rank() != r || f.world_size() != s.world_size || f.step() != s.step) {
       throw Error(CAI_DATA_LOSS, f.path().string() + " says rank " + std::to_string(f.rank()) +
@@ -606,22 +655,38 @@ int64_t CheckpointReader::step() const { return state_->step; }
 
 // ---- Finding ------------------------------------------------------------------------------
 
-std::optional<fs::path> FindLatestCheckpoint(const fs::path& run_dir) {
+std::optional<fs::path> FindLatestCheckpoint(const fs::path& run_dir,
+                                             std::vector<std::string>* skipped) {
   std::error_code ec;
   if (!fs::is_directory(run_dir, ec)) return std::nullopt;
+  std::optional<fs::path> best;
   std::ifstream latest(run_dir / kLatestFile);
   std::string name;
-  if (latest >> name && StepOfDirName(name) && IsComplete(run_dir / name)) return run_dir / name;
+  if (latest >> name && StepOfDirName(name) && IsComplete(run_dir / name)) {
+    best = run_dir / name;
+  } else if (const auto complete = CompleteCheckpoints(run_dir); !complete.empty()) {
+    best = complete.front().second;
+  }
+  if (skipped == nullptr) return best;
 
-  std::optional<fs::path> best;
-  int64_t best_step = -1;
+  // Step directories newer than the one chosen that a save left unfinished.
+  const int64_t best_step = best ? *StepOfDirName(best->filename().string()) : -1;
+  std::vector<std::pair<int64_t, std::string>> passed;
   for (const fs::directory_entry& entry : fs::directory_iterator(run_dir, ec)) {
-    const std::optional<int64_t> step = StepOfDirName(entry.path().filename().string());
-    if (step && *step > best_step && entry.is_directory(ec) && IsComplete(entry.path())) {
-      best_step = *step;
-      best = entry.path();
+    const std::string dir_name = entry.path().filename().string();
+    const size_t tmp = dir_name.find(".tmp-");
+    const std::optional<int64_t> step = StepOfDirName(dir_name.substr(0, tmp));
+    if (!step || *step <= best_step || !entry.is_directory(ec)) continue;
+    if (tmp != std::string::npos) {
+      passed.emplace_back(
+          *step, entry.path().string() + " (temporary directory of a save that did not finish)");
+    } else if (!IsComplete(entry.path())) {
+      passed.emplace_back(*step, entry.path().string() + " (no " + kCompleteFile +
+                                     " marker: its save did not finish)");
     }
   }
+  std::sort(passed.begin(), passed.end());
+  for (auto& [step, why] : passed) skipped->push_back(std::move(why));
   return best;
 }
 

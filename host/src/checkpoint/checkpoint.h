@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cai/plugin.h"
 
@@ -83,7 +84,9 @@ class CheckpointReader {
  public:
   // Throws cai::Error: NOT_FOUND naming `dir` when it is not a complete checkpoint (no
   // COMPLETE); DATA_LOSS naming the file when a rank file is missing or malformed, or two
-  // ranks wrote the same name.
+  // ranks wrote the same name. read_tensor and read_meta verify every byte they return
+  // against the file's CRC32Cs: DATA_LOSS naming the file and the entry, with the earlier
+  // checkpoints to resume from instead.
   explicit CheckpointReader(const std::filesystem::path& dir, DeviceCopy copy = {});
   ~CheckpointReader();
   CheckpointReader(const CheckpointReader&) = delete;
@@ -102,7 +105,10 @@ class CheckpointReader {
 // The checkpoint to resume from: the directory `run_dir/latest` names when it is complete;
 // otherwise (pointer missing, or naming a directory that is gone or incomplete) the complete
 // step-* directory with the highest step. *.tmp-* directories and directories without COMPLETE
-// are never returned. nullopt when there is none, or no run_dir.
-std::optional<std::filesystem::path> FindLatestCheckpoint(const std::filesystem::path& run_dir);
+// are never returned. nullopt when there is none, or no run_dir. With `skipped`, appends each
+// step directory newer than the one returned (all of them when none is) that was passed over,
+// with why: "<path> (no COMPLETE marker: ...)" or "<path> (temporary directory ...)".
+std::optional<std::filesystem::path> FindLatestCheckpoint(
+    const std::filesystem::path& run_dir, std::vector<std::string>* skipped = nullptr);
 
 }  // namespace cai::ckpt

@@ -28,6 +28,7 @@ spdlog::level::level_enum ToSpdlog(cai_log_level level) {
 
 namespace {
 int log_rank = 0;
+std::shared_ptr<spdlog::sinks::sink> console_sink;
 }  // namespace
 
 void InitLogging(int rank, cai_log_level level, bool console_rank) {
@@ -36,6 +37,7 @@ void InitLogging(int rank, cai_log_level level, bool console_rank) {
   console->set_pattern(console_rank ? "[%Y-%m-%d %H:%M:%S.%e] [rank " + std::to_string(rank) +
                                           "] [%^%l%$] %v"
                                     : "[%Y-%m-%d %H:%M:%S.%e] [%^%l%$] %v");
+  console_sink = console;
   auto logger = std::make_shared<spdlog::logger>("cai", console);
   logger->set_level(ToSpdlog(level));
   logger->flush_on(spdlog::level::info);
@@ -46,6 +48,10 @@ void AddLogFile(const std::string& path) {
   auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path);
   file->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [rank " + std::to_string(log_rank) + "] [%l] %v");
   spdlog::default_logger()->sinks().push_back(file);
+}
+
+void SetConsoleLogging(bool on) {
+  if (console_sink) console_sink->set_level(on ? spdlog::level::trace : spdlog::level::off);
 }
 
 void Log(cai_log_level level, std::string_view source, std::string_view message) {

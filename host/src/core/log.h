@@ -16,6 +16,9 @@ void InitLogging(int rank, cai_log_level level = CAI_LOG_INFO, bool console_rank
 // Also writes every log line to `path` (created or appended).
 void AddLogFile(const std::string& path);
 
+// Stops (or resumes) the console output of InitLogging's logger; log files keep every line.
+void SetConsoleLogging(bool on);
+
 // The host table's log sink: adds the plugin's name as source.
 void Log(cai_log_level level, std::string_view source, std::string_view message);
 

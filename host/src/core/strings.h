@@ -7,7 +7,8 @@
 
 namespace cai {
 
-// Levenshtein distance between two strings.
+// Edit distance between two strings: insertions, deletions, substitutions and swaps of two
+// neighbouring characters each count 1 (optimal string alignment).
 size_t EditDistance(std::string_view a, std::string_view b);
 
 // The candidate closest to `key` by edit distance, or "" if none is close enough to be a

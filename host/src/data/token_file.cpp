@@ -46,8 +46,7 @@ TokenFile TokenFile::Open(const std::filesystem::path& path, int vocab_size) {
   if (fd.get() < 0) {
     const int err = errno;
     Fail(err == ENOENT ? CAI_NOT_FOUND : CAI_PERMISSION_DENIED, path,
-         std::string(std::strerror(err)) +
-             (err == ENOENT ? " (check data.train_file / data.eval_file)" : ""));
+         std::string(std::strerror(err)) + (err == ENOENT ? " (check data.path)" : ""));
   }
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) Fail(CAI_INTERNAL, path, std::strerror(errno));

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <charconv>
@@ -30,6 +31,10 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kMaxLine = 64 * 1024;
 // How often the launcher looks at its children when no output arrives.
 constexpr int kPollMs = 100;
+// After a rank fails having reported an error, how long the others have to fail too before
+// they are stopped: ranks that hit the same bad input fail within milliseconds of each other,
+// and the launcher can then say "ranks 0,1" instead of blaming whichever was reaped first.
+constexpr std::chrono::milliseconds kReportWindow{1000};
 
 volatile sig_atomic_t g_interrupt_signal = 0;
 
@@ -92,6 +97,19 @@ int FreePort(const std::string& addr) {
   return ntohs(sa.sin_port);
 }
 
+std::string Unescape(std::string_view text) {
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '\\' && i + 1 < text.size()) {
+      ++i;
+      out.push_back(text[i] == 'n' ? '\n' : text[i]);
+    } else {
+      out.push_back(text[i]);
+    }
+  }
+  return out;
+}
+
 struct Pipe {
   int fd = -1;
   std::string pending;
@@ -103,6 +121,7 @@ struct Child {
   int status = 0;
   bool failed_on_its_own = false;
   bool stopped = false;  // ended, successfully or not, after the launcher began stopping ranks
+  bool reported_error = false;  // wrote a RankErrorLine
   Pipe out, err;
 };
 
@@ -125,6 +144,7 @@ class Launcher {
     while (true) {
       Pump();
       Reap();
+      if (!stopping_ && stop_at_ && Clock::now() >= *stop_at_) StopAll();
       if (!stopping_ && g_interrupt_signal != 0) {
         interrupt_ = g_interrupt_signal;
         StopAll();
@@ -147,6 +167,11 @@ class Launcher {
       CloseFd(c.err.fd);
     }
     LaunchResult result;
+    for (const auto& [message, ranks] : rank_errors_) {
+      std::string who = ranks.size() == 1 ? "rank " : "ranks ";
+      for (size_t i = 0; i < ranks.size(); ++i) who += (i ? "," : "") + std::to_string(ranks[i]);
+      result.rank_errors.push_back(who + ": " + message);
+    }
     for (const Child& c : children_) {
       result.pids.push_back(c.pid);
       result.wait_statuses.push_back(c.status);
@@ -275,36 +300,69 @@ class Launcher {
     for (size_t k = 0; k < fds.size(); ++k) {
       if (fds[k].revents == 0) continue;
       const auto [i, stream] = owners[k];
-      Pipe& p = stream == Stream::kStdout ? children_[i].out : children_[i].err;
-      char buffer[65536];
-      const ssize_t n = ::read(p.fd, buffer, sizeof(buffer));
-      if (n > 0) {
-        p.pending.append(buffer, static_cast<size_t>(n));
-        Emit(i, p, stream);
-      } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
-        Flush(i, p, stream);
-        CloseFd(p.fd);
-      }
+      ReadOnce(i, stream);
+    }
+  }
+
+  // One read() of a child's pipe that poll() found ready; closes the pipe at its end.
+  void ReadOnce(size_t i, Stream stream) {
+    Pipe& p = stream == Stream::kStdout ? children_[i].out : children_[i].err;
+    char buffer[65536];
+    const ssize_t n = ::read(p.fd, buffer, sizeof(buffer));
+    if (n > 0) {
+      p.pending.append(buffer, static_cast<size_t>(n));
+      Emit(i, p, stream);
+    } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+      Flush(i, p, stream);
+      CloseFd(p.fd);
+    }
+  }
+
+  // Reads what an ended child left in its stderr pipe, so that an error it reported is known
+  // when its exit is handled.
+  void DrainStderr(size_t i) {
+    for (int reads = 0; reads < 64 && children_[i].err.fd >= 0; ++reads) {
+      pollfd f{children_[i].err.fd, POLLIN, 0};
+      if (::poll(&f, 1, 0) <= 0) return;
+      ReadOnce(i, Stream::kStderr);
     }
   }
 
   void Emit(size_t rank, Pipe& p, Stream stream) {
     size_t begin = 0;
     for (size_t nl; (nl = p.pending.find('\n', begin)) != std::string::npos; begin = nl + 1) {
-      options_.sink(static_cast<int>(rank), stream,
-                    std::string_view(p.pending).substr(begin, nl - begin));
+      Deliver(rank, stream, std::string_view(p.pending).substr(begin, nl - begin));
     }
     p.pending.erase(0, begin);
     if (p.pending.size() > kMaxLine) Flush(rank, p, stream);
   }
 
   void Flush(size_t rank, Pipe& p, Stream stream) {
-    if (!p.pending.empty()) options_.sink(static_cast<int>(rank), stream, p.pending);
+    if (!p.pending.empty()) Deliver(rank, stream, p.pending);
     p.pending.clear();
+  }
+
+  // Passes a line on to the sink, except a rank's error report, which is kept for the end.
+  void Deliver(size_t rank, Stream stream, std::string_view line) {
+    if (stream != Stream::kStderr || !line.starts_with(kRankErrorMarker)) {
+      options_.sink(static_cast<int>(rank), stream, line);
+      return;
+    }
+    children_[rank].reported_error = true;
+    const std::string message = Unescape(line.substr(kRankErrorMarker.size()));
+    for (auto& [text, ranks] : rank_errors_) {
+      if (text == message) {
+        ranks.push_back(static_cast<int>(rank));
+        std::sort(ranks.begin(), ranks.end());
+        return;
+      }
+    }
+    rank_errors_.emplace_back(message, std::vector<int>{static_cast<int>(rank)});
   }
 
   void Reap() {
     bool failed = false;
+    bool reported = false;
     for (Child& c : children_) {
       if (c.reaped || ::waitpid(c.pid, &c.status, WNOHANG) != c.pid) continue;
       c.reaped = true;
@@ -317,8 +375,14 @@ class Launcher {
       c.failed_on_its_own = !stopping_ || (WIFSIGNALED(c.status) && !OurSignal(c.status));
       c.stopped = !c.failed_on_its_own;
       failed = true;
+      DrainStderr(static_cast<size_t>(&c - children_.data()));
+      reported = reported || c.reported_error;
     }
-    if (failed && !stopping_) StopAll();
+    if (failed && !stopping_) {
+      const auto at = Clock::now() + (reported ? kReportWindow : std::chrono::milliseconds(0));
+      stop_at_ = stop_at_ ? std::min(*stop_at_, at) : at;
+      if (AllReaped() || Clock::now() >= *stop_at_) StopAll();
+    }
   }
 
   bool OurSignal(int status) const {
@@ -385,15 +449,31 @@ class Launcher {
 
   const LaunchOptions& options_;
   std::vector<Child> children_;
+  std::vector<std::pair<std::string, std::vector<int>>> rank_errors_;  // message, its ranks
   pid_t pgid_ = 0;
   bool stopping_ = false;
   bool killed_ = false;  // the grace period ran out and the launcher sent SIGKILL
   std::optional<int> interrupt_;
+  std::optional<Clock::time_point> stop_at_;  // when to stop the ranks after a failure
   std::optional<Clock::time_point> kill_at_;
   std::optional<Clock::time_point> drain_until_;
 };
 
 }  // namespace
+
+std::string RankErrorLine(std::string_view message) {
+  std::string line(kRankErrorMarker);
+  for (char c : message) {
+    if (c == '\\') {
+      line += "\\\\";
+    } else if (c == '\n') {
+      line += "\\n";
+    } else {
+      line.push_back(c);
+    }
+  }
+  return line;
+}
 
 void WriteRankLine(int rank, Stream stream, std::string_view line) {
   std::string text = "[rank " + std::to_string(rank) + "] ";
@@ -439,10 +519,10 @@ int RunOrLaunch(const LaunchOptions& options, const std::function<int(const Rank
     return rank_main(local);
   }
   LaunchResult result = LaunchLocal(options);
-  if (result.exit_code != 0) {
-    const std::string line = "cai: error: " + result.message + "\n";
-    (void)!::write(STDERR_FILENO, line.data(), line.size());
-  }
+  std::string text;
+  for (const std::string& error : result.rank_errors) text += "cai: error: " + error + "\n";
+  if (result.exit_code != 0) text += "cai: error: " + result.message + "\n";
+  (void)!::write(STDERR_FILENO, text.data(), text.size());
   return result.exit_code;
 }
 

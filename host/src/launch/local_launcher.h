@@ -8,6 +8,10 @@
 // launcher dies, even by SIGKILL. Their stdout and stderr come back through pipes and reach the
 // sink line by line, tagged with the rank.
 //
+// A rank that fails reports its error as one stderr line, RankErrorLine(message); the launcher
+// holds these lines back and, once the ranks have ended, reports each distinct message once
+// with the ranks that hit it ("ranks 0,1: ..."), before its own summary, instead of N copies.
+//
 // If a rank exits non-zero or is killed by a signal, or the launcher gets SIGINT, SIGTERM or
 // SIGHUP, every other rank gets SIGTERM and, `grace` later, SIGKILL; the launcher returns
 // once all are reaped. A rank that hangs while its peer is dead is thus gone within
@@ -49,6 +53,11 @@ struct LaunchOptions {
   LineSink sink = WriteRankLine;
 };
 
+// What a launched rank writes to stderr for its error: a marker and `message` on one line
+// (backslashes and newlines escaped), without the final newline.
+inline constexpr std::string_view kRankErrorMarker = "cai: rank error: ";
+std::string RankErrorLine(std::string_view message);
+
 struct LaunchResult {
   // 0 when every rank exited 0. Otherwise what the launcher should exit with: the failed
   // rank's exit status, or 128 + signal number when it (or the launcher) was signalled.
@@ -57,6 +66,9 @@ struct LaunchResult {
   // launcher stopped the rest, one killed by a signal, else the first), its pid and exit
   // status or signal, any other rank that failed on its own, and how many ranks were stopped.
   std::string message;
+  // The errors ranks reported (RankErrorLine), each distinct message once, in the order of the
+  // first rank that reported it: "rank 1: <message>" or "ranks 0,2: <message>".
+  std::vector<std::string> rank_errors;
   std::vector<pid_t> pids;         // by rank
   std::vector<int> wait_statuses;  // by rank, as waitpid() reported them
 };
@@ -76,7 +88,8 @@ LaunchResult LaunchLocal(const LaunchOptions& options);
 // SLURM, Open MPI variables) it runs `rank_main` as that rank; with options.nproc == 1 it runs
 // `rank_main` as the only rank of a one-process world (free loopback port, run id from the
 // pid); otherwise it launches options.nproc copies of the program with options.args, which
-// then take the first path. Returns the exit status; a failed launch prints its message.
+// then take the first path. Returns the exit status; a failed launch prints the ranks' errors
+// (LaunchResult::rank_errors) and then its message, each line "cai: error: ...".
 int RunOrLaunch(const LaunchOptions& options, const std::function<int(const RankEnv&)>& rank_main);
 
 }  // namespace cai::launch

@@ -42,18 +42,11 @@ std::string Describe(const toml::node& node) {
   return os.str();
 }
 
-std::string At(const toml::node& node) {
-  const auto& begin = node.source().begin;
-  return begin.line ? " (line " + std::to_string(begin.line) + ")" : std::string();
-}
+std::string At(const toml::node& node) { return WhereWritten(node); }
 
-std::string Expected(const ConfigKey& key) {
-  std::string text = std::string("a ") + ConfigTypeName(key.type);
-  if (!key.choices.empty()) {
-    text += " (one of";
-    for (const auto& c : key.choices) text += " \"" + c + "\"";
-    text += ")";
-  }
+std::string Choices(const ConfigKey& key) {
+  std::string text;
+  for (const auto& c : key.choices) text += (text.empty() ? "\"" : ", \"") + c + "\"";
   return text;
 }
 
@@ -85,7 +78,10 @@ cai_config::Value Convert(const ConfigKey& key, const toml::node& node, std::str
       v.s = *node.value<std::string>();
       if (!key.choices.empty() &&
           std::find(key.choices.begin(), key.choices.end(), v.s) == key.choices.end()) {
-        fail("\"" + v.s + "\" is not " + Expected(key));
+        const std::vector<std::string_view> choices(key.choices.begin(), key.choices.end());
+        const std::string nearest = NearestKey(v.s, choices);
+        fail("\"" + v.s + "\" is not one of " + Choices(key) +
+             (nearest.empty() ? "" : " (did you mean \"" + nearest + "\"?)"));
       }
       break;
     default:
@@ -144,6 +140,13 @@ const cai_config::Value* Find(const cai_config* config, const char* key, const v
 }
 
 }  // namespace
+
+std::string WhereWritten(const toml::node& node) {
+  const toml::source_region& source = node.source();
+  if (source.path && source.path->starts_with(kSetSourcePrefix))
+    return " (from " + *source.path + ")";
+  return source.begin.line ? " (line " + std::to_string(source.begin.line) + ")" : std::string();
+}
 
 const char* ConfigTypeName(cai_config_type type) {
   switch (type) {

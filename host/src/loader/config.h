@@ -14,8 +14,9 @@
 
 namespace toml {
 inline namespace v3 {
+class node;
 class table;
-}
+}  // namespace v3
 }  // namespace toml
 
 // The validated configuration behind the ABI's opaque cai_config.
@@ -46,6 +47,14 @@ struct ConfigKey {
 };
 
 const char* ConfigTypeName(cai_config_type type);
+
+// Values given on the command line (`cai train --set k=v`) are parsed with the source path
+// "--set k=v", so that messages name the option instead of a line of the job file.
+inline constexpr std::string_view kSetSourcePrefix = "--set ";
+
+// Where `node` was written, for messages: " (line 12)", " (from --set train.steps=x)", or ""
+// when unknown.
+std::string WhereWritten(const toml::node& node);
 
 // Reads `count` keys laid out `keys[0].struct_size` bytes apart. Throws cai::Error
 // (INVALID_ARGUMENT) on a malformed schema: missing name/doc, duplicate or non-[a-z0-9_]

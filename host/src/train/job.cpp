@@ -163,16 +163,29 @@ void ApplySet(toml::table& root, const std::string& assignment) {
   }
   std::string key = assignment.substr(0, eq);
   std::string value = assignment.substr(eq + 1);
+  // Parsed with the option as its source, so that messages about the value name it.
+  const std::string source = std::string(kSetSourcePrefix) + assignment;
   toml::table parsed;
   try {
-    parsed = toml::parse("v = " + value);
+    parsed = toml::parse("v = " + value, source);
   } catch (const toml::parse_error&) {
   }
-  if (toml::node* v = parsed.get("v")) {
-    v->visit([&](auto& typed) { SetAt(root, key, std::move(typed), what); });
-  } else {
-    SetAt(root, key, toml::value<std::string>(value), what);  // a bare word: a string
+  if (!parsed.get("v")) {  // a bare word: a string
+    std::ostringstream quoted;
+    quoted << toml::table{{"v", value}};
+    parsed = toml::parse(quoted.str(), source);
   }
+  parsed.get("v")->visit([&](auto& typed) { SetAt(root, key, std::move(typed), what); });
+}
+
+// Where a [plugin.<name>] table was written: its header's line, or, for one that --set made,
+// the first --set that gave it a key.
+std::string WhereTable(const toml::table& table) {
+  std::string where = WhereWritten(table);
+  for (auto it = table.begin(); where.empty() && it != table.end(); ++it) {
+    where = WhereWritten(it->second);
+  }
+  return where;
 }
 
 void AppendSection(std::ostringstream& out, const std::string& name, const cai_config& config) {
@@ -236,8 +249,8 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
   for (const auto& [name, node] : root) {
     if (std::find(sections.begin(), sections.end(), name.str()) == sections.end()) {
       throw Error(CAI_INVALID_ARGUMENT, where + ": unknown section '" + std::string(name.str()) +
-                                            "' (line " + std::to_string(node.source().begin.line) +
-                                            ")." + DidYouMean(name.str(), sections) +
+                                            "'" + WhereWritten(node) + "." +
+                                            DidYouMean(name.str(), sections) +
                                             " Sections: " + Join(sections) + ".");
     }
     if (!node.is_table()) {
@@ -254,17 +267,15 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
     for (const auto& [key, node] : *plugin) {
       if (key.str() == "name") {
         if (!node.is_string()) {
-          throw Error(CAI_INVALID_ARGUMENT, where + ": key 'plugin.name' (line " +
-                                                std::to_string(node.source().begin.line) +
-                                                ") must be a string: a plugin name, \"none\" "
+          throw Error(CAI_INVALID_ARGUMENT, where + ": key 'plugin.name'" + WhereWritten(node) +
+                                                " must be a string: a plugin name, \"none\" "
                                                 "or \"auto\"");
         }
         job.plugin = *node.value<std::string>();
       } else if (!node.is_table()) {
         throw Error(CAI_INVALID_ARGUMENT,
-                    where + ": unknown key 'plugin." + std::string(key.str()) + "' (line " +
-                        std::to_string(node.source().begin.line) + ")." +
-                        DidYouMean(key.str(), plugin_keys) +
+                    where + ": unknown key 'plugin." + std::string(key.str()) + "'" +
+                        WhereWritten(node) + "." + DidYouMean(key.str(), plugin_keys) +
                         " [plugin] takes 'name'; a strategy's options go in [plugin.<name>]");
       }
     }
@@ -273,6 +284,7 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
         std::ostringstream text;
         text << *options;
         job.plugin_tables[std::string(key.str())] = text.str();
+        job.plugin_table_where[std::string(key.str())] = WhereTable(*options);
       }
     }
     if (auto it = job.plugin_tables.find(job.plugin); it != job.plugin_tables.end()) {
@@ -299,15 +311,61 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
       job.launch = std::move(config);
   }
   job.resolved_toml = resolved.str();
+  job.root = std::make_shared<const toml::table>(std::move(root));
   return job;
+}
+
+const std::vector<std::string_view>& ShippedPlugins() {
+  static const std::vector<std::string_view> names = {"ddp", "low_level_zero", "fsdp", "gemini",
+                                                      "hybrid_parallel"};
+  return names;
+}
+
+std::vector<std::string> CheckPluginTables(const JobConfig& job,
+                                           const std::vector<std::string>& installed) {
+  std::vector<std::string_view> known = {"none"};
+  for (const std::string& name : installed) known.push_back(name);
+  for (std::string_view name : ShippedPlugins()) {
+    if (std::find(known.begin(), known.end(), name) == known.end()) known.push_back(name);
+  }
+  const std::string file = job.file.empty() ? std::string("job") : job.file.string();
+  std::vector<std::string> unused;
+  for (const auto& [name, text] : job.plugin_tables) {
+    const auto where = job.plugin_table_where.find(name);
+    const std::string table = "[plugin." + name + "]" +
+                              (where == job.plugin_table_where.end() ? "" : where->second) +
+                              " in " + file;
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      const std::string nearest = NearestKey(name, known);
+      throw Error(CAI_INVALID_ARGUMENT,
+                  table + " names no plugin, so no strategy would read its options." +
+                      (nearest.empty() ? "" : " Did you mean [plugin." + nearest + "]?") +
+                      " Options go in [plugin.<name>] of the strategy they are for: " +
+                      Join(known) + " (`cai plugins list` shows what is installed)");
+    }
+    if (name != job.plugin && job.plugin != "auto") {
+      unused.push_back(table + " is not used: plugin.name = \"" + job.plugin +
+                       "\"; its options apply only with plugin.name = \"" + name + "\"");
+    }
+  }
+  return unused;
 }
 
 std::unique_ptr<cai_config> ResolvePluginConfig(JobConfig& job,
                                                 const std::vector<ConfigKey>& schema) {
-  toml::table table;
-  if (!job.plugin_table_toml.empty()) table = toml::parse(job.plugin_table_toml);
   const std::string where = "[plugin." + job.plugin + "] in " +
                             (job.file.empty() ? std::string("job") : job.file.string());
+  // The user's own table first, as parsed from the file and --set, so that a message names
+  // the line or the option; then the text the run uses (auto may have added options).
+  if (job.root) {
+    if (const toml::table* plugin = (*job.root)["plugin"].as_table()) {
+      if (const toml::table* own = (*plugin)[job.plugin].as_table()) {
+        ValidateConfig(schema, own, where);
+      }
+    }
+  }
+  toml::table table;
+  if (!job.plugin_table_toml.empty()) table = toml::parse(job.plugin_table_toml);
   auto config = ValidateConfig(schema, &table, where);
   std::ostringstream out;
   AppendSection(out, "plugin." + job.plugin, *config);

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cai/optimizer.h"
@@ -30,7 +31,23 @@ struct JobConfig {
   // Every [plugin.<name>] table the job has, by plugin name, as TOML text: what
   // plugin.name = "auto" keeps of the user's options for the strategy it picks.
   std::map<std::string, std::string> plugin_tables;
+  // Where each of those tables was written, for messages: " (line 12)", " (from --set ...)".
+  std::map<std::string, std::string> plugin_table_where;
+  // The job as parsed, --set applied, with each value's source (line or --set option).
+  std::shared_ptr<const toml::table> root;
 };
+
+// The strategies cai ships, whether or not they are installed here.
+const std::vector<std::string_view>& ShippedPlugins();
+
+// Checks each [plugin.<name>] table against the plugins that exist: "none", `installed` (the
+// loader's names) and ShippedPlugins(). Throws cai::Error (INVALID_ARGUMENT) for a table that
+// names no plugin (a misspelling: [plugin.fdsp]), naming the table, where it was written and
+// the nearest plugin name. Returns a warning for each table of another real plugin than
+// plugin.name, which the run does not use; none under plugin.name = "auto", which may choose
+// any of them.
+std::vector<std::string> CheckPluginTables(const JobConfig& job,
+                                           const std::vector<std::string>& installed);
 
 // The job schema: the documented keys of each section, for `cai train --help-keys` and docs.
 const std::vector<std::pair<std::string, std::vector<ConfigKey>>>& JobSchema();

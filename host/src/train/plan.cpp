@@ -142,7 +142,13 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
 
   // What can run here: installed plugins that load, and the built-in reference on one rank.
   std::map<std::string, const LoadedPlugin*> installed;
-  for (const PluginRecord& r : DiscoverPlugins(PluginSearchPath(paths))) {
+  const std::vector<PluginRecord> records = DiscoverPlugins(PluginSearchPath(paths));
+  std::vector<std::string> names;
+  for (const PluginRecord& r : records) {
+    if (!r.manifest.name.empty()) names.push_back(r.manifest.name);
+  }
+  CheckPluginTables(job, names);  // a misspelt [plugin.<name>] table; no plugin is "unused" here
+  for (const PluginRecord& r : records) {
     if (!r.error.empty()) continue;
     try {
       installed.emplace(r.manifest.name, &LoadPlugin(r.manifest, host));

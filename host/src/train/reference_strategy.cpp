@@ -61,6 +61,10 @@ class Reference {
     model_ = args.model;
     precision_ = args.precision;
     for (uint32_t p : sdk::OwnedParams(model_, /*trainable=*/true)) layout_.Add(model_, p);
+    if (layout_.size() == 0) {  // else backward fails deep in autograd
+      throw sdk::Error(CAI_FAILED_PRECONDITION,
+                       "none: the model has no trainable parameters; unfreeze some (model.freeze)");
+    }
     optim_ = sdk::FlatOptimizer(args.optimizer, layout_.numel(), CAI_MEM_DEVICE,
                                 "reference.optimizer_state");
     if (precision_ != CAI_PRECISION_FP32) {

@@ -8,6 +8,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <ctime>
 #include <fstream>
 #include <iomanip>
@@ -357,6 +358,13 @@ void Run::ChooseAuto() {
   if (env_.rank == 0) {
     Plan plan = MakePlan(job_, env_.world_size, options_.plugin_paths, host_);
     Log(CAI_LOG_INFO, "", "plugin.name = \"auto\" chose '" + plan.choice + "': " + plan.reason);
+    for (const auto& [name, table] : job_.plugin_tables) {
+      if (name == plan.choice) continue;
+      const auto where = job_.plugin_table_where.find(name);
+      Log(CAI_LOG_INFO, "",
+          "[plugin." + name + "]" + (where == job_.plugin_table_where.end() ? "" : where->second) +
+              " is not used: plugin.name = \"auto\" chose '" + plan.choice + "'");
+    }
     const std::string text = plan.choice + "\n" + plan.choice_table;
     if (text.size() >= kWire) {
       throw Error(CAI_INVALID_ARGUMENT, "plugin.name = \"auto\": the [plugin." + plan.choice +
@@ -469,7 +477,22 @@ void Run::Setup() {
   if (has_layout) LearnLayout();
 
   if (GetBool(*job_.checkpoint, "resume")) {
-    if (auto latest = ckpt::FindLatestCheckpoint(run_dir_ / "checkpoints")) {
+    const fs::path checkpoints = run_dir_ / "checkpoints";
+    std::vector<std::string> skipped;
+    const auto latest = ckpt::FindLatestCheckpoint(checkpoints, &skipped);
+    if (env_.rank == 0) {
+      for (const std::string& dir : skipped) {
+        Log(CAI_LOG_WARN, "",
+            "checkpoint.resume: skipped " + dir +
+                (latest ? "; resuming from the older " + latest->filename().string() : ""));
+      }
+      if (!latest) {
+        Log(skipped.empty() ? CAI_LOG_INFO : CAI_LOG_WARN, "",
+            "checkpoint.resume = true, but " + checkpoints.string() +
+                " holds no complete checkpoint: training starts at step 1");
+      }
+    }
+    if (latest) {
       ckpt::CheckpointReader reader(*latest);
       cai_checkpoint_args args{};
       args.struct_size = CAI_CHECKPOINT_ARGS_STRUCT_SIZE;
@@ -484,7 +507,26 @@ void Run::Setup() {
     }
   }
   if (env_.rank == 0) {
-    metrics_.open(run_dir_ / "metrics.jsonl", start_step_ > 0 ? std::ios::app : std::ios::trunc);
+    // A resumed run appends; a run that starts at step 1 keeps an earlier run's metrics as
+    // metrics.jsonl.N (the lowest N free) and starts a new file.
+    const fs::path metrics = run_dir_ / "metrics.jsonl";
+    std::error_code ec;
+    if (start_step_ == 0 && fs::exists(metrics, ec)) {
+      fs::path kept;
+      for (int n = 1; kept.empty() || fs::exists(kept, ec); ++n) {
+        kept = run_dir_ / ("metrics.jsonl." + std::to_string(n));
+      }
+      fs::rename(metrics, kept, ec);
+      if (ec) {
+        throw Error(CAI_PERMISSION_DENIED,
+                    metrics.string() + " of an earlier run cannot be kept as " + kept.string() +
+                        ": " + ec.message() + "; move it away or choose another --run-dir");
+      }
+      Log(CAI_LOG_WARN, "",
+          "this run starts at step 1; the earlier " + metrics.string() + " is kept as " +
+              kept.filename().string());
+    }
+    metrics_.open(metrics, start_step_ > 0 ? std::ios::app : std::ios::trunc);
     if (!metrics_)
       throw Error(CAI_PERMISSION_DENIED,
                   (run_dir_ / "metrics.jsonl").string() + ": cannot be written");
@@ -852,30 +894,40 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
   // Before any thread starts and any tensor exists: LibTorch's own allocations (activations,
   // temporaries) are counted from here, for summary.json's framework_peak_bytes.
   InstallFrameworkAllocator();
-  InitLogging(env.rank, CAI_LOG_INFO, std::getenv("CAI_LAUNCHER") == nullptr);
-  std::error_code ec;
-  fs::create_directories(run_dir / "logs", ec);
-  if (ec) {
-    throw Error(CAI_PERMISSION_DENIED,
-                "run directory " + run_dir.string() + " cannot be created: " + ec.message());
-  }
-  AddLogFile((run_dir / "logs" / ("rank-" + std::to_string(env.rank) + ".log")).string());
-  Log(CAI_LOG_INFO, "",
-      "rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) + " (pid " +
-          std::to_string(getpid()) + ", joined through " + env.launcher + ")");
-  CommOptions comm;
-  comm.rank = env.rank;
-  comm.world_size = env.world_size;
-  comm.master_addr = env.master_addr;
-  comm.master_port = env.master_port;
-  comm.timeout = std::chrono::seconds(GetInt(*job.launch, "timeout_s"));
-  Communicator::Init(comm);
+  const bool launched_locally = std::getenv("CAI_LAUNCHER") != nullptr;
+  InitLogging(env.rank, CAI_LOG_INFO, !launched_locally);
   try {
+    std::error_code ec;
+    fs::create_directories(run_dir / "logs", ec);
+    if (ec) {
+      throw Error(CAI_PERMISSION_DENIED,
+                  "run directory " + run_dir.string() + " cannot be created: " + ec.message());
+    }
+    AddLogFile((run_dir / "logs" / ("rank-" + std::to_string(env.rank) + ".log")).string());
+    Log(CAI_LOG_INFO, "",
+        "rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) + " (pid " +
+            std::to_string(getpid()) + ", joined through " + env.launcher + ")");
+    CommOptions comm;
+    comm.rank = env.rank;
+    comm.world_size = env.world_size;
+    comm.master_addr = env.master_addr;
+    comm.master_port = env.master_port;
+    comm.timeout = std::chrono::seconds(GetInt(*job.launch, "timeout_s"));
+    Communicator::Init(comm);
     int code = Run(options, std::move(job), env, run_dir).Execute();
     Communicator::Shutdown();
     return code;
   } catch (const std::exception& e) {
-    Log(CAI_LOG_ERROR, "", e.what());
+    if (launched_locally) {
+      // The log file keeps it; the launcher prints it once for all the ranks that hit it.
+      SetConsoleLogging(false);
+      Log(CAI_LOG_ERROR, "", e.what());
+      const std::string line = launch::RankErrorLine(e.what()) + "\n";
+      std::fwrite(line.data(), 1, line.size(), stderr);
+      std::fflush(stderr);
+    } else {
+      Log(CAI_LOG_ERROR, "", e.what());
+    }
     // Other ranks may be waiting in a collective: the launcher (or the job scheduler) stops
     // them once this rank exits non-zero.
     std::_Exit(1);
@@ -886,6 +938,15 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
 
 int RunTrain(const TrainOptions& options) {
   JobConfig job = LoadJob(options.job_file, options.sets);
+  // Before any rank starts, so that a misspelt table fails once, not once per rank.
+  std::vector<std::string> installed;
+  for (const PluginRecord& r : DiscoverPlugins(PluginSearchPath(options.plugin_paths))) {
+    if (!r.manifest.name.empty()) installed.push_back(r.manifest.name);
+  }
+  const std::optional<launch::RankEnv> rank_env = launch::DetectRankEnv();
+  for (const std::string& unused : CheckPluginTables(job, installed)) {
+    if (!rank_env || rank_env->rank == 0) Log(CAI_LOG_WARN, "", unused);
+  }
   fs::path run_dir = options.run_dir.empty() ? DefaultRunDir(options.job_file) : options.run_dir;
   // What each launched rank runs: this command again, with the run directory fixed so that
   // every rank writes to the same one.
@@ -906,7 +967,7 @@ int RunTrain(const TrainOptions& options) {
   launch.env.emplace_back("CAI_LAUNCHER", "local");
   launch.master_addr = GetString(*job.launch, "master_addr");
   launch.master_port = static_cast<int>(GetInt(*job.launch, "master_port"));
-  if (launch.nproc > 1 && !launch::DetectRankEnv()) {
+  if (launch.nproc > 1 && !rank_env) {
     std::cerr << "cai: launching " << launch.nproc << " ranks; logs in "
               << (run_dir / "logs").string() << "\n";
   }

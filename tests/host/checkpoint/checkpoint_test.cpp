@@ -441,5 +441,206 @@ TEST_F(CheckpointTest, TruncatedRankFile_IsDataLossNamingTheFile) {
   }
 }
 
+// Overwrites `bytes` bytes of `file` at `offset` with zeros, as a failing disk or a bad copy
+// might.
+void ZeroBytes(const fs::path& file, uint64_t offset, size_t bytes) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(static_cast<std::streamoff>(offset));
+  const std::vector<char> zeros(bytes, 0);
+  f.write(zeros.data(), static_cast<std::streamsize>(bytes));
+  ASSERT_TRUE(f.good()) << file;
+}
+
+const Entry& EntryNamed(const RankFileReader& file, const std::string& name) {
+  for (const Entry& e : file.entries()) {
+    if (e.name == name) return e;
+  }
+  throw Error(CAI_NOT_FOUND, name);
+}
+
+std::vector<float> Ramp(size_t n) {
+  std::vector<float> values(n);
+  for (size_t i = 0; i < n; ++i) values[i] = static_cast<float>(i) + 0.5f;
+  return values;
+}
+
+TEST_F(CheckpointTest, SlicesAcrossChecksumBlocks_ReadBackExactly) {
+  // 300 KiB: four whole 64 KiB blocks and a short fifth; slices start and end inside blocks,
+  // on block edges, and span runs of whole blocks.
+  const size_t n = 300 * 256;
+  const std::vector<float> values = Ramp(n);
+  const fs::path dir = SaveSingle(1, values, "r");
+  RankFileReader file(dir / RankFileName(0));
+  EXPECT_EQ(file.version(), 2u);
+  EXPECT_EQ(EntryNamed(file, "w").block_crc32c.size(), 5u);
+  CheckpointReader reader(dir);
+  const size_t block = kChecksumBlockBytes / 4;
+  for (auto [offset, count] : std::vector<std::pair<size_t, size_t>>{{0, n},
+                                                                     {1, 10},
+                                                                     {block - 3, 6},
+                                                                     {block, block},
+                                                                     {block + 5, 3 * block},
+                                                                     {17, n - 17},
+                                                                     {4 * block, n - 4 * block},
+                                                                     {n - 1, 1}}) {
+    std::vector<float> out(count);
+    View v(out, kFp32, {static_cast<int64_t>(count)});
+    Ok(Api().read_tensor(reader.handle(), "w", static_cast<int64_t>(offset),
+                         static_cast<int64_t>(count), &v.tensor));
+    EXPECT_TRUE(std::equal(out.begin(), out.end(), values.begin() + static_cast<long>(offset)))
+        << "elements [" << offset << ", " << offset + count << ")";
+  }
+}
+
+TEST_F(CheckpointTest, ZeroedBytesInTensorData_LoadFailsNamingFileTensorAndEarlierCheckpoints) {
+  SaveSingle(1, {1.0f}, "a");
+  SaveSingle(2, {2.0f}, "b");
+  const size_t n = 256 * 1024;  // 1 MiB
+  const fs::path dir = SaveSingle(3, Ramp(n), "c");
+  const fs::path path = dir / RankFileName(0);
+  uint64_t data_offset = 0;
+  {
+    RankFileReader file(path);
+    data_offset = EntryNamed(file, "w").offset;
+  }
+  // 4 KiB of zeros inside the third checksum block (bytes 131072 to 196608 of the data).
+  ZeroBytes(path, data_offset + 2 * kChecksumBlockBytes + 1000, 4096);
+
+  CheckpointReader reader(dir);  // header and index are intact
+  std::vector<float> out(n);
+  View all(out, kFp32, {static_cast<int64_t>(n)});
+  ExpectStatus(Api().read_tensor(reader.handle(), "w", 0, 0, &all.tensor), CAI_DATA_LOSS,
+               {path.string(), "tensor 'w' is damaged", "do not match the CRC32C",
+                "bytes 131072 to 196608", "checkpoint " + dir.string() + " is damaged",
+                "Earlier checkpoints in " + run_.string() + ": step-000002, step-000001",
+                "mv " + dir.string()});
+  // Converting reads go through the same checks.
+  std::vector<uint16_t> half(n);
+  View h(half, kBf16, {static_cast<int64_t>(n)});
+  ExpectStatus(Api().read_tensor(reader.handle(), "w", 0, 0, &h.tensor), CAI_DATA_LOSS,
+               {"tensor 'w' is damaged"});
+  // A shard that lies in intact blocks still reads: only what is returned is checked.
+  std::vector<float> first(1000);
+  View f(first, kFp32, {1000});
+  Ok(Api().read_tensor(reader.handle(), "w", 0, 1000, &f.tensor));
+  EXPECT_EQ(first[999], 999.5f);
+  std::vector<float> ten(10);
+  View t(ten, kFp32, {10});
+  ExpectStatus(Api().read_tensor(reader.handle(), "w", 2 * 16384 + 500, 10, &t.tensor),
+               CAI_DATA_LOSS, {"tensor 'w' is damaged", "bytes 131072 to 196608"});
+}
+
+TEST_F(CheckpointTest, ZeroedBytesInMetaEntry_LoadFailsNamingFileAndKey) {
+  const fs::path dir = [&] {
+    CheckpointWriter writer(run_, 4, 0, 1, "m");
+    Ok(Api().write_meta(writer.handle(), "plugin", std::string(8192, 'x').c_str()));
+    return writer.Commit([] {});
+  }();
+  const fs::path path = dir / RankFileName(0);
+  uint64_t data_offset = 0;
+  {
+    RankFileReader file(path);
+    data_offset = EntryNamed(file, "plugin").offset;
+  }
+  ZeroBytes(path, data_offset + 100, 4096);
+  CheckpointReader reader(dir);
+  const char* value = nullptr;
+  ExpectStatus(Api().read_meta(reader.handle(), "plugin", &value), CAI_DATA_LOSS,
+               {path.string(), "meta entry 'plugin' is damaged",
+                "No earlier complete checkpoint is in " + run_.string()});
+  EXPECT_EQ(value, nullptr);
+}
+
+TEST_F(CheckpointTest, DamagedIndexOrHeader_OpenFailsNamingTheFile) {
+  const fs::path dir = SaveSingle(1, {1.0f, 2.0f, 3.0f}, "r");
+  const fs::path path = dir / RankFileName(0);
+  const auto size = fs::file_size(path);
+  ZeroBytes(path, size - 4, 4);  // inside the index: the last block checksum
+  try {
+    CheckpointReader reader(dir);
+    ADD_FAILURE() << "opened a checkpoint with a damaged index";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), CAI_DATA_LOSS);
+    EXPECT_NE(std::string(e.what()).find(path.string() + ": index"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("does not match its checksum"), std::string::npos)
+        << e.what();
+  }
+  const fs::path again = SaveSingle(2, {1.0f}, "s");
+  ZeroBytes(again / RankFileName(0), 16, 4);  // the header's world size
+  try {
+    RankFileReader file(again / RankFileName(0));
+    ADD_FAILURE() << "opened a file with a damaged header";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("header does not match its checksum"), std::string::npos)
+        << e.what();
+  }
+}
+
+// A rank file as cai wrote it before checksums (format version 1), built byte by byte.
+void WriteVersion1File(const fs::path& path, const std::vector<float>& values) {
+  std::string file(64, '\0');
+  const uint64_t offset = 64, bytes = values.size() * sizeof(float);
+  file.append(reinterpret_cast<const char*>(values.data()), bytes);
+  while (file.size() % 64 != 0) file.push_back('\0');
+  const uint64_t index_offset = file.size();
+  auto put = [&](auto v) { file.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  put(uint8_t{0});
+  put(uint8_t{CAI_DTYPE_FLOAT});
+  put(uint8_t{32});
+  put(uint8_t{0});
+  put(uint16_t{1});
+  put(uint16_t{0});
+  put(uint32_t{1});  // ndim
+  put(uint32_t{1});  // name length
+  file += "w";
+  put(static_cast<int64_t>(values.size()));
+  put(offset);
+  put(bytes);
+  const uint64_t index_bytes = file.size() - index_offset;
+  std::string header("CAICKPT1");
+  auto put_header = [&](auto v) { header.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  put_header(uint32_t{1});  // version
+  put_header(uint32_t{0});  // rank
+  put_header(uint32_t{1});  // world size
+  put_header(uint32_t{0});
+  put_header(int64_t{6});  // step
+  put_header(index_offset);
+  put_header(index_bytes);
+  put_header(uint64_t{1});  // entries
+  put_header(uint64_t{0});
+  file.replace(0, 64, header);
+  std::ofstream(path, std::ios::binary) << file;
+}
+
+TEST_F(CheckpointTest, Version1FileWithoutChecksums_StillLoads) {
+  const fs::path dir = run_ / "step-000006";
+  fs::create_directories(dir);
+  WriteVersion1File(dir / RankFileName(0), {1.5f, 2.5f, 3.5f});
+  std::ofstream(dir / "COMPLETE") << "step = 6\nworld_size = 1\n";
+  RankFileReader file(dir / RankFileName(0));
+  EXPECT_EQ(file.version(), 1u);
+  EXPECT_TRUE(EntryNamed(file, "w").block_crc32c.empty());
+  EXPECT_EQ(ReadFloats(dir, "w", 3), (std::vector<float>{1.5f, 2.5f, 3.5f}));
+}
+
+TEST_F(CheckpointTest, FindLatest_ReportsEachNewerUnfinishedSaveAndWhy) {
+  std::vector<std::string> skipped;
+  fs::create_directories(run_ / "step-000004");  // no COMPLETE
+  fs::create_directories(run_ / "step-000005.tmp-x");
+  EXPECT_EQ(FindLatestCheckpoint(run_, &skipped), std::nullopt);
+  ASSERT_EQ(skipped.size(), 2u);
+  EXPECT_EQ(skipped[0],
+            (run_ / "step-000004").string() + " (no COMPLETE marker: its save did not finish)");
+  EXPECT_EQ(skipped[1], (run_ / "step-000005.tmp-x").string() +
+                            " (temporary directory of a save that did not finish)");
+
+  SaveSingle(3, {3.0f}, "a");
+  fs::create_directories(run_ / "step-000002");  // older than the one chosen: not mentioned
+  skipped.clear();
+  EXPECT_EQ(FindLatestCheckpoint(run_, &skipped), run_ / "step-000003");
+  ASSERT_EQ(skipped.size(), 2u);
+  EXPECT_NE(skipped[0].find("step-000004 (no COMPLETE"), std::string::npos) << skipped[0];
+}
+
 }  // namespace
 }  // namespace cai::ckpt

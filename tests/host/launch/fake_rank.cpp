@@ -8,6 +8,8 @@
 //                  rank 0 exits 1; rank 1, ignoring SIGTERM, kills itself with SIGKILL a
 //                  moment later (a peer failing on a dead rank's broken connection, reaped
 //                  before the dead rank)
+//   errors         every rank reports an error and exits 1, rank 1 a moment after the others:
+//                  ranks 0 and 2 the same two-line message, rank 1 another
 //   all-wait       every rank waits to be stopped
 // Every rank writes its pid to $CAI_TEST_PID_DIR/<rank> when that is set, so tests can check
 // that no process is left behind.
@@ -19,6 +21,7 @@
 #include <fstream>
 #include <string>
 
+#include "launch/local_launcher.h"
 #include "launch/rank_env.h"
 
 int main(int argc, char** argv) {
@@ -59,6 +62,13 @@ int main(int argc, char** argv) {
     ::signal(SIGTERM, SIG_IGN);
     ::usleep(300 * 1000);
     ::raise(SIGKILL);
+  }
+  if (mode == "errors") {
+    if (env->rank == 1) ::usleep(200 * 1000);
+    const std::string line = cai::launch::RankErrorLine(
+        env->rank == 1 ? "rank 1 is different" : "no such file: C:\\data.bin\nsecond line");
+    std::fprintf(stderr, "%s\n", line.c_str());
+    return 1;
   }
   while (true) ::pause();
 }

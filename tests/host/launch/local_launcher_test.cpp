@@ -157,6 +157,19 @@ TEST(LaunchLocal, OneRankExitsThree_LauncherFailsFastNamingItAndLeavesNoProcess)
   EXPECT_EQ(pid_dir.Pids().size(), 3u);
 }
 
+TEST(LaunchLocal, RanksReportingErrors_EachMessageOnceWithTheRanksThatHitIt) {
+  std::vector<Line> lines;
+  const LaunchResult result = LaunchLocal(Fake(3, "errors", &lines));
+  EXPECT_EQ(result.exit_code, 1);
+  // Rank 1 fails 200 ms after the others, within the window the launcher leaves before it
+  // stops the rest, so its own error is heard too.
+  EXPECT_EQ(result.rank_errors,
+            (std::vector<std::string>{"ranks 0,2: no such file: C:\\data.bin\nsecond line",
+                                      "rank 1: rank 1 is different"}));
+  EXPECT_TRUE(lines.empty()) << "the reports reached the sink: " << lines[0].text;
+  EXPECT_NE(result.message.find("also rank"), std::string::npos) << result.message;
+}
+
 TEST(LaunchLocal, RankIgnoringSigtermWithDeadPeer_IsKilledAfterGrace) {
   std::vector<Line> lines;
   const auto start = Clock::now();

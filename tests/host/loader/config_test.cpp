@@ -79,8 +79,29 @@ TEST(Config, WrongType_NamesKeyExpectedAndGiven) {
 TEST(Config, OutOfRangeAndBadChoice_AreRefused) {
   EXPECT_NE(ErrorOf("bucket_cap_mb = 0").find("below the minimum 1"), std::string::npos);
   EXPECT_NE(ErrorOf("bucket_cap_mb = 5000").find("above the maximum 4096"), std::string::npos);
-  EXPECT_NE(ErrorOf("precision = \"fp8\"").find("\"fp8\" is not a string (one of \"fp32\""),
-            std::string::npos);
+  const std::string choice = ErrorOf("precision = \"fp8\"");
+  EXPECT_NE(choice.find("key 'precision' (line 1): \"fp8\" is not one of \"fp32\", \"bf16\", "
+                        "\"fp16\" (did you mean \"fp32\"?). Compute precision."),
+            std::string::npos)
+      << choice;
+  const std::string typo = ErrorOf("precision = \"bf61\"");
+  EXPECT_NE(typo.find("(did you mean \"bf16\"?)"), std::string::npos) << typo;
+}
+
+TEST(Config, ValueFromSetOption_NamesTheOptionNotALine) {
+  toml::table table =
+      toml::parse("bucket_cap_mb = 0", std::string_view("--set plugin.ddp.bucket_cap_mb=0"));
+  try {
+    ValidateConfig(ReadSchema(kKeys, 4, "test"), &table, "[plugin.ddp] in job.toml");
+    ADD_FAILURE() << "accepted 0";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "key 'bucket_cap_mb' (from --set plugin.ddp.bucket_cap_mb=0): value 0 is below"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(WhereWritten(*table.get("bucket_cap_mb")), " (from --set plugin.ddp.bucket_cap_mb=0)");
+  EXPECT_EQ(WhereWritten(*toml::parse("\nx = 1").get("x")), " (line 2)");
 }
 
 TEST(Config, ReadingAsTheWrongType_FailsWithStatus) {
@@ -112,6 +133,15 @@ TEST(Strings, NearestKey_FindsTyposNotStrangers) {
   EXPECT_EQ(NearestKey("static_grpah", keys), "static_graph");
   EXPECT_EQ(NearestKey("nosync", keys), "no_sync");
   EXPECT_EQ(NearestKey("learning_rate", keys), "");
+}
+
+TEST(Strings, SwappedNeighbours_AreOneEditAndWinATie) {
+  EXPECT_EQ(EditDistance("fdsp", "fsdp"), 1u);
+  EXPECT_EQ(EditDistance("fdsp", "ddp"), 2u);
+  EXPECT_EQ(EditDistance("kitten", "sitting"), 3u);
+  EXPECT_EQ(EditDistance("", "abc"), 3u);
+  const std::string_view plugins[] = {"none", "ddp", "fsdp", "low_level_zero"};
+  EXPECT_EQ(NearestKey("fdsp", plugins), "fsdp");
 }
 
 TEST(FileChecks, Sha256_MatchesFipsVectors) {

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "checkpoint/rank_file.h"
 #include "util/subprocess.h"
 
 namespace {
@@ -187,6 +188,80 @@ TEST(Train, Resume_ContinuesBitForBit) {
   ASSERT_EQ(second.code, 0) << second.output;
   CAI_EXPECT_CONTAINS(second.output, "resumed from");
   EXPECT_EQ(LossTexts(straight / ""), LossTexts(resumed / ""));
+}
+
+size_t LineCount(const fs::path& file) {
+  std::ifstream in(file);
+  size_t n = 0;
+  for (std::string line; std::getline(in, line);) ++n;
+  return n;
+}
+
+TEST(Train, ResumeFindingOnlyAnIncompleteCheckpoint_SaysSoAndKeepsEarlierMetrics) {
+  TempDir dir;
+  const std::string job = std::string(TINY_JOB) + " --run-dir " + dir.str();
+  ASSERT_EQ(Train(job + " --set train.steps=4 --set checkpoint.at_end=true").code, 0);
+  ASSERT_EQ(LineCount(dir / "metrics.jsonl"), 4u);
+  const fs::path step4 = dir / "checkpoints" / "step-000004";
+  fs::remove(step4 / "COMPLETE");  // as if the save had been cut short
+  fs::create_directories(dir / "checkpoints" / "step-000006.tmp-local-1");
+
+  Result r = Train(job + " --set train.steps=3 --set checkpoint.resume=true");
+  ASSERT_EQ(r.code, 0) << r.output;
+  CAI_EXPECT_CONTAINS(r.output, "checkpoint.resume: skipped " + step4.string() +
+                                    " (no COMPLETE marker: its save did not finish)");
+  CAI_EXPECT_CONTAINS(r.output, "step-000006.tmp-local-1 (temporary directory of a save");
+  CAI_EXPECT_CONTAINS(r.output, "holds no complete checkpoint: training starts at step 1");
+  CAI_EXPECT_CONTAINS(r.output, "is kept as metrics.jsonl.1");
+  EXPECT_EQ(LineCount(dir / "metrics.jsonl.1"), 4u) << "the first run's metrics";
+  EXPECT_EQ(LineCount(dir / "metrics.jsonl"), 3u);
+
+  // A third start from step 1 keeps the second run's file too.
+  ASSERT_EQ(Train(job + " --set train.steps=2").code, 0);
+  EXPECT_EQ(LineCount(dir / "metrics.jsonl.1"), 4u);
+  EXPECT_EQ(LineCount(dir / "metrics.jsonl.2"), 3u);
+  EXPECT_EQ(LineCount(dir / "metrics.jsonl"), 2u);
+}
+
+TEST(Train, ResumePassingOverANewerIncompleteCheckpoint_NamesIt) {
+  TempDir dir;
+  const std::string job = std::string(TINY_JOB) + " --run-dir " + dir.str();
+  ASSERT_EQ(Train(job + " --set train.steps=4 --set checkpoint.every=2").code, 0);
+  const fs::path step4 = dir / "checkpoints" / "step-000004";
+  fs::remove(step4 / "COMPLETE");
+  Result r = Train(job + " --set checkpoint.resume=true");
+  ASSERT_EQ(r.code, 0) << r.output;
+  CAI_EXPECT_CONTAINS(r.output, "checkpoint.resume: skipped " + step4.string() +
+                                    " (no COMPLETE marker: its save did not finish); resuming "
+                                    "from the older step-000002");
+  CAI_EXPECT_CONTAINS(r.output, "resumed from " + (dir / "checkpoints" / "step-000002").string());
+  EXPECT_FALSE(fs::exists(dir / "metrics.jsonl.1")) << "a resumed run appends";
+}
+
+TEST(Train, ResumeFromCheckpointWithZeroedTensorBytes_FailsNamingFileTensorAndEarlierOne) {
+  TempDir dir;
+  const std::string job = std::string(TINY_JOB) + " --run-dir " + dir.str();
+  ASSERT_EQ(Train(job + " --set train.steps=4 --set checkpoint.every=2").code, 0);
+  const fs::path file = dir / "checkpoints" / "step-000004" / cai::ckpt::RankFileName(0);
+  cai::ckpt::Entry largest;
+  const cai::ckpt::RankFileReader reader(file);
+  for (const cai::ckpt::Entry& e : reader.entries()) {
+    if (e.kind == cai::ckpt::EntryKind::kTensor && e.bytes > largest.bytes) largest = e;
+  }
+  ASSERT_GE(largest.bytes, 8192u) << largest.name;
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(largest.offset + 2048));
+    const std::string zeros(4096, '\0');
+    f.write(zeros.data(), static_cast<std::streamsize>(zeros.size()));
+  }
+  Result r = Train(job + " --set checkpoint.resume=true");
+  EXPECT_NE(r.code, 0) << r.output;
+  CAI_EXPECT_CONTAINS(
+      r.output, "checkpoint file " + file.string() + ": tensor '" + largest.name + "' is damaged");
+  CAI_EXPECT_CONTAINS(r.output,
+                      "Earlier checkpoints in " + (dir / "checkpoints").string() + ": step-000002");
+  EXPECT_EQ(r.output.find("resumed from"), std::string::npos) << r.output;
 }
 
 TEST(Train, GradientAccumulation_MatchesOneBatch) {
@@ -419,6 +494,90 @@ TEST(TrainBadInput, TokenFileWithOddLengthOrIdsBeyondVocab) {
   EXPECT_NE(r.code, 0);
   CAI_EXPECT_CONTAINS(r.output, big);
   CAI_EXPECT_CONTAINS(r.output, "300");
+}
+
+TEST(TrainBadInput, MisspeltPluginTable_NamesTableAndNearestPlugin) {
+  ExpectRefused(
+      {"misspelt table in the file",
+       "[plugin]\nname = \"none\"\n\n[plugin.fdsp]\nsharding_strategy = \"FULL_SHARD\"\n",
+       "",
+       {"[plugin.fdsp] (line 4) in $DIR/job.toml names no plugin", "Did you mean [plugin.fsdp]?"}});
+  ExpectRefused({"misspelt table from --set",
+                 "",
+                 "--set plugin.fdsp.sharding_strategy=FULL_SHARD",
+                 {"[plugin.fdsp] (from --set plugin.fdsp.sharding_strategy=FULL_SHARD)",
+                  "names no plugin", "Did you mean [plugin.fsdp]?"}});
+  // plugin.name = "auto" may choose any real plugin, but a misspelt one never.
+  ExpectRefused({"misspelt table under auto",
+                 "",
+                 "--set plugin.name=auto --set plugin.lowlevel_zero.stage=2",
+                 {"[plugin.lowlevel_zero]", "Did you mean [plugin.low_level_zero]?"}});
+}
+
+TEST(TrainBadInput, AnotherPluginsTable_IsAWarningThatItIsUnused) {
+  TempDir dir;
+  Result r = Train(std::string(TINY_JOB) + " --run-dir " + dir.str() +
+                   " --set train.steps=1 --set plugin.ddp.bucket_cap_mb=4");
+  ASSERT_EQ(r.code, 0) << r.output;
+  CAI_EXPECT_CONTAINS(r.output, "[plugin.ddp] (from --set plugin.ddp.bucket_cap_mb=4) in " +
+                                    std::string(TINY_JOB) + " is not used: plugin.name = \"none\"");
+}
+
+TEST(TrainBadInput, EnumValue_ListsTheChoicesAndNamesSetOption) {
+  ExpectRefused({"enum from --set",
+                 "",
+                 "--set train.precision=fp8",
+                 {"key 'precision' (from --set train.precision=fp8): \"fp8\" is not one of "
+                  "\"fp32\", \"bf16\", \"fp16\""}});
+  ExpectRefused({"enum in the file",
+                 "[train]\nprecision = \"bf61\"\n",
+                 "",
+                 {"key 'precision' (line 2): \"bf61\" is not one of \"fp32\", \"bf16\", "
+                  "\"fp16\" (did you mean \"bf16\"?)"}});
+  ExpectRefused({"wrong type from --set",
+                 "",
+                 "--set train.steps=many",
+                 {"key 'steps' (from --set train.steps=many): expected an integer, got string"}});
+  ExpectRefused({"[plugin] key from --set",
+                 "",
+                 "--set plugin.initial_scale=x",
+                 {"'plugin.initial_scale' (from --set plugin.initial_scale=x)"}});
+  ExpectRefused({"strategy's key from --set",
+                 "",
+                 "--set plugin.none.initial_scale=x",
+                 {"[plugin.none] in " + std::string(TINY_JOB) +
+                  ": key 'initial_scale' (from --set plugin.none.initial_scale=x): expected a "
+                  "number, got string \"x\""}});
+}
+
+TEST(TrainBadInput, EverythingFrozen_SaysNoTrainableParametersWithoutBacktrace) {
+  TempDir dir;
+  Result r = Train(std::string(TINY_JOB) + " --run-dir " + dir.str() + " --set model.freeze=*");
+  EXPECT_NE(r.code, 0);
+  CAI_EXPECT_CONTAINS(r.output,
+                      "none: the model has no trainable parameters; unfreeze some (model.freeze)");
+  EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
+}
+
+// Every rank hits the same missing file: the launcher prints the message once, naming both
+// ranks, before its summary.
+TEST(TrainBadInput, SameErrorOnEveryRank_PrintedOnceWithTheRanks) {
+  TempDir dir;
+  Result r = Train(std::string(TINY_JOB) + " --run-dir " + dir.str() +
+                   " --nproc 2 --set plugin.name=ddp --set data.source=tokens "
+                   "--set data.path=/nonexistent/tokens.bin");
+  EXPECT_NE(r.code, 0);
+  CAI_EXPECT_CONTAINS(r.output, "cai: error: ranks 0,1: ");
+  size_t count = 0;
+  for (size_t at = 0; (at = r.output.find("/nonexistent/tokens.bin", at)) != std::string::npos;
+       ++at) {
+    ++count;
+  }
+  EXPECT_EQ(count, 1u) << r.output;
+  EXPECT_LT(r.output.find("cai: error: ranks 0,1: "), r.output.find("exited with status"))
+      << r.output;
+  CAI_EXPECT_CONTAINS(ReadFile((dir / "logs/rank-1.log").string()), "/nonexistent/tokens.bin");
 }
 
 TEST(TrainBadInput, NprocZeroAndUnknownPlugin) {

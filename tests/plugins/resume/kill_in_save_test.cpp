@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <random>
 #include <regex>
@@ -37,7 +38,8 @@ TrainRun Train(const fs::path& dir, int nproc, std::vector<std::string> sets, bo
 
 const TrainRun& Reference() {
   static const TrainRun run =
-      Train(fs::path(CAI_RESUME_TEST_RUNS) / "kill_reference", 1, {"plugin.name=none"});
+      Train(fs::path(CAI_RESUME_TEST_RUNS) / ("kill_reference_" + std::to_string(::getpid())), 1,
+            {"plugin.name=none"});
   return run;
 }
 
@@ -90,7 +92,10 @@ void KillAndResume(int index, const std::vector<long>& points) {
   std::smatch m;
   const bool from_checkpoint =
       std::regex_search(resumed.output, m, std::regex("resumed from .*\\(step ([0-9]+)"));
-  const int64_t from = from_checkpoint ? std::stoll(m[1]) + 1 : 1;
+  // A kill after the last save's final point leaves nothing to run: its last step, logged
+  // before the kill, and the checkpoint are compared.
+  const int64_t from =
+      std::min<int64_t>(from_checkpoint ? std::stoll(m[1]) + 1 : 1, reference.steps.back());
   const size_t tail = static_cast<size_t>(reference.steps.back() - from + 1);
   ASSERT_GE(resumed.steps.size(), tail) << resumed.output;
   TrainRun last = resumed;

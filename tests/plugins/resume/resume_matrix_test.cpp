@@ -11,6 +11,7 @@
 // World sizes rotate over 1, 2 and 3 so that each loader meets each world size and no pair
 // loads at the world size it saved with unless the rotation lands there.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <string>
@@ -62,7 +63,8 @@ TrainRun Train(const fs::path& dir, int nproc, const std::vector<std::string>& s
 
 const TrainRun& Uninterrupted() {
   static const TrainRun run =
-      Train(fs::path(CAI_MATRIX_TEST_RUNS) / "uninterrupted", 1, JobSets(Strategies()[0], {}));
+      Train(fs::path(CAI_MATRIX_TEST_RUNS) / ("uninterrupted_" + std::to_string(::getpid())), 1,
+            JobSets(Strategies()[0], {}));
   return run;
 }
 

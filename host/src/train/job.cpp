@@ -38,9 +38,26 @@ const cai_config_key kModelKeys[] = {
     IntKey("n_kv_head", "0", "Key/value heads for Llama grouped-query attention (0 = n_head).", 0,
            0, kMin),
     IntKey("n_embd", "128", "Hidden size.", 1, 0, kMin),
-    IntKey("ffn_hidden", "0", "MLP hidden size (0 = 4*n_embd for GPT-2, 8/3*n_embd for Llama).", 0,
-           0, kMin),
-    BoolKey("bias", "true", "Biases in linear layers (and GPT-2's LayerNorm)."),
+    IntKey("ffn_hidden", "0",
+           "MLP hidden size (0 = 4*n_embd for GPT-2; for Llama 8/3*n_embd rounded up to a "
+           "multiple of 256, as Meta's reference).",
+           0, 0, kMin),
+    BoolKey("bias", "true",
+            "Biases in linear layers (and GPT-2's LayerNorm). Default: true for gpt2, false for "
+            "llama (as GPT2LMHeadModel and LlamaForCausalLM)."),
+    FloatKey("norm_eps", "1e-5",
+             "Epsilon of the LayerNorm (gpt2, HF's layer_norm_epsilon) or RMSNorm (llama, HF's "
+             "rms_norm_eps).",
+             0, 0, kMin),
+    FloatKey("rope_theta", "10000.0", "Llama: base of the rotary position embedding.", 0, 0, kMin),
+    FloatKey("init_std", "0.02",
+             "Standard deviation of the initial matrices and embeddings (HF's initializer_range); "
+             "residual projections take init_std / sqrt(2 * n_layer).",
+             0, 0, kMin),
+    IntKey("ignore_index", "-100",
+           "Target value the loss skips (PyTorch's CrossEntropyLoss default); -1 is skipped "
+           "too.",
+           0, 0, 0),
     BoolKey("activation_checkpointing", "false",
             "Recompute each block's forward during backward to save activation memory."),
     StringKey("freeze", "\"\"",
@@ -175,6 +192,17 @@ void ApplySet(toml::table& root, const std::string& assignment) {
   }
 }
 
+// Keys whose default depends on model.kind: Llama has no biases unless asked (as HF's
+// LlamaForCausalLM). Resolved here so config.resolved.toml states the value used.
+void ResolveArchDefaults(cai_config& model) {
+  auto bias = model.values.find(std::string_view("bias"));
+  auto kind = model.values.find(std::string_view("kind"));
+  if (bias != model.values.end() && bias->second.is_default && kind != model.values.end() &&
+      kind->second.s == "llama") {
+    bias->second.b = false;
+  }
+}
+
 void AppendSection(std::ostringstream& out, const std::string& name, const cai_config& config) {
   toml::table table;
   for (const auto& [key, v] : config.values) {
@@ -284,6 +312,7 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
   for (const auto& [name, schema] : JobSchema()) {
     const toml::table* table = root[name].as_table();
     auto config = ValidateConfig(schema, table, "[" + name + "] in " + where);
+    if (name == "model") ResolveArchDefaults(*config);
     AppendSection(resolved, name, *config);
     if (name == "model")
       job.model = std::move(config);
@@ -335,6 +364,9 @@ ModelConfig ZooModelConfig(const cai_config& m) {
   config.n_embd = GetInt(m, "n_embd");
   config.ffn_hidden = GetInt(m, "ffn_hidden");
   config.bias = GetBool(m, "bias");
+  config.norm_eps = GetFloat(m, "norm_eps");
+  config.rope_theta = GetFloat(m, "rope_theta");
+  config.init_std = GetFloat(m, "init_std");
   return config;
 }
 

@@ -113,6 +113,7 @@ std::unique_ptr<Model> BuildModel(const JobConfig& job, uint64_t seed) {
     if (!pattern.empty()) options.frozen.push_back(pattern);
   }
   options.unused_parameter = GetBool(m, "unused_parameter");
+  options.ignore_index = GetInt(m, "ignore_index");
   if (kind == "torchscript") {
     const std::string& path = GetString(m, "path");
     if (path.empty()) {

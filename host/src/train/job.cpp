@@ -118,6 +118,9 @@ const cai_config_key kTrainKeys[] = {
 const cai_config_key kCheckpointKeys[] = {
     IntKey("every", "0", "Save a checkpoint every this many steps (0 = never).", 0, 0, kMin),
     BoolKey("at_end", "true", "Save a checkpoint after the last step."),
+    BoolKey("at_start", "false",
+            "Save a complete checkpoint of step 0 (the initial weights and zero optimizer "
+            "state) before the first step; not when resuming."),
     BoolKey("resume", "false",
             "Resume from the latest complete checkpoint of the run directory, if there is one."),
 };

@@ -794,6 +794,9 @@ int Run::Execute() {
   progress_bar_ = env_.rank == 0 && env_.world_size == 1 && isatty(STDERR_FILENO);
   const int64_t eval_every = GetInt(*job_.train, "eval_every");
   const int64_t ckpt_every = GetInt(*job_.checkpoint, "every");
+  // Before any step, through the strategy's own save like every other checkpoint, so a step-0
+  // checkpoint loads wherever the strategy's later ones do.
+  if (start_step_ == 0 && GetBool(*job_.checkpoint, "at_start")) SaveCheckpoint(0);
   loop_start_ = Clock::now();
   for (int64_t step = start_step_ + 1; step <= steps_; ++step) {
     const auto t0 = Clock::now();

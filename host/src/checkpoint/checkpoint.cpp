@@ -161,12 +161,34 @@ std::optional<int64_t> StepOfDirName(const std::string& name) {
   return step;
 }
 
+// Whether `name` is "optim/<param>/<k>" with k in decimal; then *slot = k and *prefix_length
+// is the length of "optim/<param>/".
+bool NumberedSlot(const std::string& name, size_t* slot, size_t* prefix_length) {
+  if (!name.starts_with("optim/")) return false;
+  const size_t slash = name.rfind('/');
+  if (slash <= 6 || slash + 1 == name.size() || name.size() - slash > 3) return false;
+  size_t k = 0;
+  for (size_t i = slash + 1; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return false;
+    k = k * 10 + static_cast<size_t>(name[i] - '0');
+  }
+  *slot = k;
+  *prefix_length = slash + 1;
+  return true;
+}
+
 bool IsComplete(const fs::path& dir) {
   std::error_code ec;
   return fs::is_regular_file(dir / kCompleteFile, ec);
 }
 
 }  // namespace
+
+std::vector<std::string> OptimizerSlotNames(const std::string& kind) {
+  if (kind == "adam" || kind == "adamw") return {"exp_avg", "exp_avg_sq"};
+  if (kind == "sgd") return {"momentum_buffer"};
+  return {};
+}
 
 std::string StepDirName(int64_t step) {
   char name[40];
@@ -186,8 +208,17 @@ struct CheckpointWriter::State : cai_checkpoint {
   int world_size = 0;
   DeviceCopy copy;
   std::optional<RankFileWriter> file;
+  std::vector<std::string> slot_names;
 
-  void WriteTensor(const std::string& name, const cai_tensor& t) override {
+  // "optim/<param>/<k>" under slot k's name, when it has one.
+  std::string Stored(const std::string& name) const {
+    size_t k = 0, prefix = 0;
+    if (!NumberedSlot(name, &k, &prefix) || k >= slot_names.size()) return name;
+    return name.substr(0, prefix) + slot_names[k];
+  }
+
+  void WriteTensor(const std::string& given, const cai_tensor& t) override {
+    const std::string name = Stored(given);
     RankFileWriter& out = Open(name);
     const std::string what = "tensor '" + name + "'";
     const int64_t numel = CheckedNumel(t, what);
@@ -270,6 +301,10 @@ CheckpointWriter::~CheckpointWriter() = default;
 
 cai_checkpoint* CheckpointWriter::handle() { return state_.get(); }
 
+void CheckpointWriter::NameOptimizerSlots(std::vector<std::string> names) {
+  state_->slot_names = std::move(names);
+}
+
 fs::path CheckpointWriter::Commit(const std::function<void()>& barrier) {
   State& s = *state_;
   if (!s.file) {
@@ -321,7 +356,16 @@ struct CheckpointReader::State : cai_checkpoint {
 
   const Entry& Find(const std::map<std::string, Location>& table, const std::string& name,
                     const char* kind, Location* where) const {
-    const auto it = table.find(name);
+    auto it = table.find(name);
+    size_t k = 0, prefix = 0;
+    if (&table == &tensors && NumberedSlot(name, &k, &prefix)) {
+      for (const char* optimizer : {"adamw", "sgd"}) {
+        const std::vector<std::string> names = OptimizerSlotNames(optimizer);
+        if (it == table.end() && k < names.size()) {
+          it = table.find(name.substr(0, prefix) + names[k]);
+        }
+      }
+    }
     if (it == table.end()) {
       throw Error(CAI_NOT_FOUND, std::string("checkpoint ") + dir.string() + " has no " + kind +
                                      " '" + name + "'");

@@ -637,6 +637,7 @@ double Run::StepLoss(int64_t step) {
 void Run::SaveCheckpoint(int64_t step) {
   ckpt::CheckpointWriter writer(run_dir_ / "checkpoints", step, env_.rank, env_.world_size,
                                 env_.run_id);
+  writer.NameOptimizerSlots(ckpt::OptimizerSlotNames(GetString(*job_.optimizer, "kind")));
   cai_checkpoint_args args{};
   args.struct_size = CAI_CHECKPOINT_ARGS_STRUCT_SIZE;
   args.checkpoint = writer.handle();

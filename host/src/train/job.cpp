@@ -58,6 +58,11 @@ const cai_config_key kModelKeys[] = {
            "Target value the loss skips (PyTorch's CrossEntropyLoss default); -1 is skipped "
            "too.",
            0, 0, 0),
+    StringKey("init_from", "\"\"",
+              "Initial weights instead of the seeded init: a directory of safetensors in Hugging "
+              "Face names and layouts (config.json, model.safetensors[.index.json]), as `cai "
+              "export` writes and GPT2LMHeadModel / LlamaForCausalLM save; its config.json must "
+              "match these keys (`cai import DIR` prints them)."),
     BoolKey("activation_checkpointing", "false",
             "Recompute each block's forward during backward to save activation memory."),
     StringKey("freeze", "\"\"",

@@ -28,6 +28,7 @@
 #include "data/sampler.h"
 #include "data/token_file.h"
 #include "data/tokenizer.h"
+#include "interop/hf_weights.h"
 #include "launch/local_launcher.h"
 #include "launch/rank_env.h"
 #include "loader/registry.h"
@@ -124,9 +125,20 @@ std::unique_ptr<Model> BuildModel(const JobConfig& job, uint64_t seed) {
     if (!fs::is_regular_file(path)) {
       throw Error(CAI_NOT_FOUND, "model.path: TorchScript file '" + path + "' not found");
     }
+    if (!GetString(m, "init_from").empty()) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "model.init_from reads Hugging Face weights into the zoo's gpt2 and llama; a "
+                  "TorchScript model brings its own weights");
+    }
     return LoadTorchScriptModel(path, options);
   }
-  auto model = MakeZooModel(ZooModelConfig(m), seed, options);
+  const ModelConfig config = ZooModelConfig(m);
+  auto model = MakeZooModel(config, seed, options);
+  // Before the strategy takes the parameters over: every strategy starts from them as from
+  // the seeded init.
+  if (const std::string& dir = GetString(m, "init_from"); !dir.empty()) {
+    interop::LoadHfWeights(dir, config, *model);
+  }
   model->SetActivationCheckpointing(GetBool(m, "activation_checkpointing"));
   return model;
 }

@@ -1,0 +1,121 @@
+#include "checkpoint/full_params.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "core/status.h"
+
+namespace cai::ckpt {
+namespace {
+
+cai_tensor HostTensor(void* data, cai_dtype dtype, int64_t* numel) {
+  static int64_t one = 1;
+  cai_tensor t{};
+  t.data = data;
+  t.device = {CAI_DEVICE_CPU, 0};
+  t.ndim = 1;
+  t.dtype = dtype;
+  t.shape = numel;
+  t.strides = &one;
+  return t;
+}
+
+}  // namespace
+
+FullParamReader::FullParamReader(CheckpointReader& reader) : handle_(reader.handle()) {
+  const cai_checkpoint_api& api = *CheckpointApi();
+  const char* text = nullptr;
+  cai_status* status = api.read_meta(handle_, "fsdp.index", &text);
+  if (status != nullptr) {
+    if (StatusCode(status) == CAI_NOT_FOUND) {
+      DestroyStatus(status);
+      return;  // the canonical layout alone
+    }
+    ThrowIfError(status);
+  }
+  // "fsdp-sharded 1 <shards>", then per unit "unit <name> <s_u>" and its members
+  // "param <offset> <numel> <name>" (plugins/fsdp writes it; docs/checkpoint-layout.md).
+  std::istringstream in(text);
+  std::string magic, word, unit;
+  int version = 0;
+  int64_t shards = 0, shard = 0;
+  if (!(in >> magic >> version >> shards) || magic != "fsdp-sharded" || version != 1) {
+    throw Error(CAI_DATA_LOSS,
+                "checkpoint meta 'fsdp.index' does not start with 'fsdp-sharded 1': written by "
+                "another version of fsdp");
+  }
+  while (in >> word) {
+    if (word == "unit") {
+      if (!(in >> unit >> shard) || shard <= 0) {
+        throw Error(CAI_DATA_LOSS, "checkpoint meta 'fsdp.index' has a malformed unit line");
+      }
+    } else if (word == "param") {
+      Sharded p{unit, 0, 0, shard};
+      std::string name;
+      if (unit.empty() || !(in >> p.offset >> p.numel) || p.offset < 0 || p.numel < 0) {
+        throw Error(CAI_DATA_LOSS, "checkpoint meta 'fsdp.index' has a malformed param line");
+      }
+      in.get();
+      std::getline(in, name);
+      sharded_[name] = p;
+    } else {
+      throw Error(CAI_DATA_LOSS, "checkpoint meta 'fsdp.index' has an unknown line '" + word + "'");
+    }
+  }
+}
+
+std::optional<FullParamReader::Info> FullParamReader::Find(const std::string& param) {
+  cai_ckpt_tensor_info info{};
+  info.struct_size = CAI_CKPT_TENSOR_INFO_STRUCT_SIZE;
+  cai_status* status = CheckpointApi()->tensor_info(handle_, ("model/" + param).c_str(), &info);
+  if (status == nullptr) {
+    Info out;
+    out.dtype = info.dtype;
+    out.shape.assign(info.shape, info.shape + info.ndim);
+    out.numel = 1;
+    for (int64_t d : out.shape) out.numel *= d;
+    return out;
+  }
+  if (StatusCode(status) != CAI_NOT_FOUND) ThrowIfError(status);
+  DestroyStatus(status);
+  const auto it = sharded_.find(param);
+  if (it == sharded_.end()) return std::nullopt;
+  Info out;
+  out.numel = it->second.numel;
+  return out;
+}
+
+void FullParamReader::Read(const std::string& param, void* dst, cai_dtype dtype, int64_t numel) {
+  const std::optional<Info> info = Find(param);
+  if (!info) {
+    throw Error(CAI_NOT_FOUND, "the checkpoint has no value of parameter '" + param +
+                                   "' (neither 'model/" + param + "' nor an fsdp shard)");
+  }
+  if (info->numel != numel) {
+    throw Error(CAI_INVALID_ARGUMENT, "parameter '" + param + "' has " +
+                                          std::to_string(info->numel) +
+                                          " elements in the checkpoint, " + std::to_string(numel) +
+                                          " asked for: another model saved it");
+  }
+  const cai_checkpoint_api& api = *CheckpointApi();
+  if (sharded_.find(param) == sharded_.end() || !info->shape.empty()) {
+    cai_tensor t = HostTensor(dst, dtype, &numel);
+    ThrowIfError(api.read_tensor(handle_, ("model/" + param).c_str(), 0, 0, &t));
+    return;
+  }
+  // Elements [0, numel) of the parameter are [offset, offset + numel) of its unit's flat
+  // parameter, whose shard j ("fsdp/<unit>/param.<j>") holds [j * s, (j + 1) * s).
+  const Sharded& p = sharded_.at(param);
+  auto* out = static_cast<char*>(dst);
+  for (int64_t at = 0; at < numel;) {
+    const int64_t pos = p.offset + at;
+    const int64_t j = pos / p.shard, within = pos % p.shard;
+    int64_t count = std::min(numel - at, p.shard - within);
+    cai_tensor t = HostTensor(out + static_cast<size_t>(at) * (dtype.bits / 8u), dtype, &count);
+    const std::string shard = "fsdp/" + p.unit + "/param." + std::to_string(j);
+    ThrowIfError(api.read_tensor(handle_, shard.c_str(), within, count, &t));
+    at += count;
+  }
+}
+
+}  // namespace cai::ckpt

@@ -80,6 +80,26 @@ TEST(Interop, AtStartThenExportThenInitFrom_ReproducesTheWeightsByteForByte) {
   }
 }
 
+// fsdp on 2 ranks saving its sharded layout and its full state dict: the same weights, put
+// back together from the shards, export to the same bytes.
+TEST(Interop, FsdpShardedAndFullCheckpoints_ExportTheSameBytes) {
+  TempDir dir;
+  for (const std::string type : {"sharded", "full"}) {
+    const Result run =
+        Cai(std::string("train ") + TINY_JOB +
+            " --nproc 2 --set plugin.name=fsdp --set plugin.fsdp.state_dict_type=" + type +
+            " --set train.steps=2 --set train.eval_every=0 "
+            "--set checkpoint.at_end=true --run-dir " +
+            (dir / type));
+    ASSERT_EQ(run.code, 0) << run.output;
+    const Result exported =
+        Cai("export " + (dir / type) + " --format safetensors " + (dir / ("hf_" + type)));
+    ASSERT_EQ(exported.code, 0) << exported.output;
+  }
+  EXPECT_TRUE(ReadFile(dir / "hf_sharded/model.safetensors") ==
+              ReadFile(dir / "hf_full/model.safetensors"));
+}
+
 TEST(Interop, ExportWithoutFormatOrJob_SaysWhatIsMissing) {
   TempDir dir;
   const Result no_format = Cai("export " + (dir / "x") + " " + (dir / "out"));

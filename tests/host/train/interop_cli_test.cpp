@@ -1,11 +1,14 @@
 // `cai train` with checkpoint.at_start, `cai export` and model.init_from as users run them: the
-// step-0 checkpoint of a run started from exported weights exports to the same bytes.
+// step-0 checkpoint of a run started from exported weights exports to the same bytes; and the
+// model keys with PyTorch's and Hugging Face's defaults.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <string>
 
+#include "model/model.h"
+#include "train/job.h"
 #include "util/subprocess.h"
 
 namespace {
@@ -98,6 +101,23 @@ TEST(Interop, FsdpShardedAndFullCheckpoints_ExportTheSameBytes) {
   }
   EXPECT_TRUE(ReadFile(dir / "hf_sharded/model.safetensors") ==
               ReadFile(dir / "hf_full/model.safetensors"));
+}
+
+TEST(Interop, ModelKeys_LlamaWithoutBiasesUnlessAskedAndHfEpsilonsReachTheZoo) {
+  const cai::JobConfig gpt2 = cai::LoadJob({}, {});
+  EXPECT_TRUE(cai::ZooModelConfig(*gpt2.model).bias);
+  EXPECT_EQ(cai::GetInt(*gpt2.model, "ignore_index"), -100);
+  const cai::JobConfig llama = cai::LoadJob({}, {"model.kind=llama"});
+  EXPECT_FALSE(cai::ZooModelConfig(*llama.model).bias);
+  CAI_EXPECT_CONTAINS(llama.resolved_toml, "bias = false");  // what ran, for a rerun
+  const cai::JobConfig biased =
+      cai::LoadJob({}, {"model.kind=llama", "model.bias=true", "model.norm_eps=1e-6",
+                        "model.rope_theta=500000.0", "model.init_std=0.01"});
+  const cai::ModelConfig c = cai::ZooModelConfig(*biased.model);
+  EXPECT_TRUE(c.bias);
+  EXPECT_DOUBLE_EQ(c.norm_eps, 1e-6);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
+  EXPECT_DOUBLE_EQ(c.init_std, 0.01);
 }
 
 TEST(Interop, ExportWithoutFormatOrJob_SaysWhatIsMissing) {

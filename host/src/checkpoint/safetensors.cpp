@@ -261,13 +261,29 @@ SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(
     tensors_.push_back(std::move(t));
   }
   std::sort(tensors_.begin(), tensors_.end(),
-            [](const auto& a, const auto& b) { return a.begin < b.begin; });
+            [](const auto& a, const auto& b) {  // empty tensors before the one they abut
+              return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+            });
+  // As the reference reader: the tensors tile the data exactly, no overlap, gap or tail.
+  uint64_t covered = 0;
   for (size_t i = 0; i < tensors_.size(); ++i) {
     if (i > 0 && tensors_[i].begin < tensors_[i - 1].end) {
       Fail(CAI_DATA_LOSS, path_,
            "tensors '" + tensors_[i - 1].name + "' and '" + tensors_[i].name + "' overlap");
     }
+    if (tensors_[i].begin != covered) {
+      Fail(CAI_DATA_LOSS, path_,
+           "tensor '" + tensors_[i].name + "' starts at byte " + std::to_string(tensors_[i].begin) +
+               " of the data, leaving bytes " + std::to_string(covered) + ".." +
+               std::to_string(tensors_[i].begin) + " unaccounted for");
+    }
+    covered = tensors_[i].end;
     by_name_.emplace(tensors_[i].name, i);
+  }
+  if (covered != data_bytes) {
+    Fail(CAI_DATA_LOSS, path_,
+         "the tensors span " + std::to_string(covered) + " bytes of data, the file holds " +
+             std::to_string(data_bytes) + " (truncated, or bytes after the last tensor)");
   }
 }
 

@@ -62,8 +62,9 @@ class SafetensorsWriter {
 };
 
 // A safetensors file opened for reading: the header parsed and checked against the file (every
-// dtype known, shape x item size = the bytes of data_offsets, every range inside the data, no
-// two overlapping), data read on demand. Errors (DATA_LOSS, NOT_FOUND) name the file and the
+// dtype known, shape x item size = the bytes of data_offsets, every range inside the data, the
+// ranges tiling the data without overlap, gap or tail, as the reference reader requires), data
+// read on demand. Errors (DATA_LOSS, NOT_FOUND) name the file and the
 // tensor. Not thread-safe.
 class SafetensorsReader {
  public:

@@ -137,6 +137,11 @@ TEST(Safetensors, MalformedFiles_RefusedNamingFileAndTensor) {
   refused(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
           R"( "b": {"dtype": "F16", "shape": [2], "data_offsets": [4, 8]}})",
           8, "tensors 'a' and 'b' overlap");
+  // A gap before a tensor, bytes after the last.
+  refused(R"({"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8,
+          "tensor 'w' starts at byte 4 of the data");
+  refused(R"({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})", 8,
+          "the tensors span 4 bytes of data, the file holds 8");
   // Missing fields, negative dimensions, malformed JSON, a header longer than the file.
   refused(R"({"w": {"dtype": "F32", "shape": [2]}})", 8, "tensor 'w' needs");
   refused(R"({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}})", 8,

@@ -1,7 +1,6 @@
 #include "checkpoint/full_params.h"
 
 #include <algorithm>
-#include <sstream>
 
 #include "core/status.h"
 
@@ -33,34 +32,10 @@ FullParamReader::FullParamReader(CheckpointReader& reader) : handle_(reader.hand
     }
     ThrowIfError(status);
   }
-  // "fsdp-sharded 1 <shards>", then per unit "unit <name> <s_u>" and its members
-  // "param <offset> <numel> <name>" (plugins/fsdp writes it; docs/checkpoint-layout.md).
-  std::istringstream in(text);
-  std::string magic, word, unit;
-  int version = 0;
-  int64_t shards = 0, shard = 0;
-  if (!(in >> magic >> version >> shards) || magic != "fsdp-sharded" || version != 1) {
-    throw Error(CAI_DATA_LOSS,
-                "checkpoint meta 'fsdp.index' does not start with 'fsdp-sharded 1': written by "
-                "another version of fsdp");
-  }
-  while (in >> word) {
-    if (word == "unit") {
-      if (!(in >> unit >> shard) || shard <= 0) {
-        throw Error(CAI_DATA_LOSS, "checkpoint meta 'fsdp.index' has a malformed unit line");
-      }
-    } else if (word == "param") {
-      Sharded p{unit, 0, 0, shard};
-      std::string name;
-      if (unit.empty() || !(in >> p.offset >> p.numel) || p.offset < 0 || p.numel < 0) {
-        throw Error(CAI_DATA_LOSS, "checkpoint meta 'fsdp.index' has a malformed param line");
-      }
-      in.get();
-      std::getline(in, name);
-      sharded_[name] = p;
-    } else {
-      throw Error(CAI_DATA_LOSS, "checkpoint meta 'fsdp.index' has an unknown line '" + word + "'");
-    }
+  try {
+    sharded_ = sdk::ParseShardedIndex(text);
+  } catch (const sdk::Error& e) {
+    throw Error(e.code(), e.what());
   }
 }
 
@@ -105,14 +80,14 @@ void FullParamReader::Read(const std::string& param, void* dst, cai_dtype dtype,
   }
   // Elements [0, numel) of the parameter are [offset, offset + numel) of its unit's flat
   // parameter, whose shard j ("fsdp/<unit>/param.<j>") holds [j * s, (j + 1) * s).
-  const Sharded& p = sharded_.at(param);
+  const sdk::ShardedParam& p = sharded_.at(param);
   auto* out = static_cast<char*>(dst);
   for (int64_t at = 0; at < numel;) {
     const int64_t pos = p.offset + at;
     const int64_t j = pos / p.shard, within = pos % p.shard;
     int64_t count = std::min(numel - at, p.shard - within);
     cai_tensor t = HostTensor(out + static_cast<size_t>(at) * (dtype.bits / 8u), dtype, &count);
-    const std::string shard = "fsdp/" + p.unit + "/param." + std::to_string(j);
+    const std::string shard = sdk::ShardedTensorName(p.unit, "param", j);
     ThrowIfError(api.read_tensor(handle_, shard.c_str(), within, count, &t));
     at += count;
   }

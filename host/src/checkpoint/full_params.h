@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cai/sdk/sharded_index.hpp"
 #include "checkpoint/checkpoint.h"
 
 namespace cai::ckpt {
@@ -33,15 +34,8 @@ class FullParamReader {
   void Read(const std::string& param, void* dst, cai_dtype dtype, int64_t numel);
 
  private:
-  struct Sharded {
-    std::string unit;
-    int64_t offset = 0;  // into the unit's flat parameter
-    int64_t numel = 0;
-    int64_t shard = 0;  // elements per shard of the unit
-  };
-
   cai_checkpoint* handle_;
-  std::map<std::string, Sharded> sharded_;
+  std::map<std::string, sdk::ShardedParam> sharded_;
 };
 
 }  // namespace cai::ckpt

@@ -80,6 +80,7 @@
 #include <algorithm>
 #include <cai/sdk.hpp>
 #include <cai/sdk/flat.hpp>
+#include <cai/sdk/sharded_index.hpp>
 #include <cai/sdk/step.hpp>
 #include <cmath>
 #include <cstdlib>
@@ -97,9 +98,12 @@ using cai::sdk::Check;
 using cai::sdk::Error;
 using cai::sdk::FlatView;
 using cai::sdk::Host;
+using cai::sdk::ParseShardedIndex;
 using cai::sdk::RunCollective;
 using cai::sdk::RunKernel;
 using cai::sdk::SameDtype;
+using cai::sdk::ShardedParam;
+using cai::sdk::ShardedTensorName;
 
 constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
 constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
@@ -926,10 +930,6 @@ class Fsdp {
     }
   }
 
-  static std::string ShardTensor(const std::string& unit, const std::string& what, int64_t r) {
-    return "fsdp/" + unit + "/" + what + "." + std::to_string(r);
-  }
-
   // Sharded: replica 0's ranks write their own shards, rank 0 the index. Index text:
   //   "fsdp-sharded 1 <shards>" then per unit "unit <name> <s_u>" and its members
   //   "param <offset> <numel> <name>".
@@ -940,13 +940,13 @@ class Fsdp {
       if (args.model) {
         const cai_tensor t = View(params_, kF32, u.base, &u.shard);
         Check(Host().checkpoint->write_tensor(
-            args.checkpoint, ShardTensor(u.name, "param", shard_index_).c_str(), &t));
+            args.checkpoint, ShardedTensorName(u.name, "param", shard_index_).c_str(), &t));
       }
       for (size_t k = 0; args.optimizer && k < optim_.num_slots(); ++k) {
         const cai_tensor t = View(optim_.state(k), kF32, u.base, &u.shard);
         Check(Host().checkpoint->write_tensor(
-            args.checkpoint, ShardTensor(u.name, "state" + std::to_string(k), shard_index_).c_str(),
-            &t));
+            args.checkpoint,
+            ShardedTensorName(u.name, "state" + std::to_string(k), shard_index_).c_str(), &t));
       }
     }
     if (rank_ != 0) return;
@@ -962,47 +962,9 @@ class Fsdp {
     Check(Host().checkpoint->write_meta(args.checkpoint, "fsdp.index", index.str().c_str()));
   }
 
-  struct SavedParam {
-    std::string unit;
-    int64_t offset = 0;  // into the saved unit's flat parameter
-    int64_t numel = 0;
-    int64_t shard = 0;  // the saved unit's shard size
-  };
-
-  static std::map<std::string, SavedParam> ParseIndex(const std::string& text) {
-    std::istringstream in(text);
-    std::string magic, word;
-    int version = 0;
-    int64_t shards = 0;
-    if (!(in >> magic >> version >> shards) || magic != "fsdp-sharded" || version != 1) {
-      throw Error(CAI_DATA_LOSS,
-                  "fsdp: checkpoint meta 'fsdp.index' does not start with 'fsdp-sharded 1'; "
-                  "it was written by another version of fsdp");
-    }
-    std::map<std::string, SavedParam> saved;
-    std::string unit;
-    int64_t shard = 0;
-    while (in >> word) {
-      if (word == "unit") {
-        in >> unit >> shard;
-      } else if (word == "param") {
-        SavedParam p{unit, 0, 0, shard};
-        std::string name;
-        in >> p.offset >> p.numel;
-        in.get();
-        std::getline(in, name);
-        saved[name] = p;
-      } else {
-        throw Error(CAI_DATA_LOSS,
-                    "fsdp: checkpoint meta 'fsdp.index' has an unknown line '" + word + "'");
-      }
-    }
-    return saved;
-  }
-
   // Every parameter's slice of this rank's shard, read from the saved shards that hold it.
   void LoadSharded(const cai_checkpoint_args& args, const std::string& text) {
-    const std::map<std::string, SavedParam> saved = ParseIndex(text);
+    const std::map<std::string, ShardedParam> saved = ParseShardedIndex(text);
     auto read_unit = [&](const Unit& u, const Buffer& shards, const std::string& what) {
       const int64_t lo = shard_index_ * u.shard, hi = lo + u.shard;
       for (const Member& m : u.members) {
@@ -1015,7 +977,7 @@ class Fsdp {
                                          name + "' of " + std::to_string(m.numel) +
                                          " elements; it was saved from another model");
         }
-        const SavedParam& p = it->second;
+        const ShardedParam& p = it->second;
         // Elements [a, b) of the unit are [a - m.offset, b - m.offset) of the parameter, at
         // p.offset + that in the saved unit, whose shard j holds [j·s, (j+1)·s).
         for (int64_t at = a; at < b;) {
@@ -1024,7 +986,7 @@ class Fsdp {
           const int64_t count = std::min(b - at, p.shard - within);
           const cai_tensor dst = View(shards, kF32, u.base + (at - lo), &count);
           Check(Host().checkpoint->read_tensor(
-              args.checkpoint, ShardTensor(p.unit, what, j).c_str(), within, count, &dst));
+              args.checkpoint, ShardedTensorName(p.unit, what, j).c_str(), within, count, &dst));
           at += count;
         }
       }

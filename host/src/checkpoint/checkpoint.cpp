@@ -16,6 +16,7 @@
 #include <sstream>
 #include <vector>
 
+#include "cai/sdk/sharded_index.hpp"
 #include "checkpoint/dtype_convert.h"
 #include "checkpoint/rank_file.h"
 #include "core/status.h"
@@ -179,6 +180,22 @@ std::optional<int64_t> StepOfDirName(const std::string& name) {
   return step;
 }
 
+// Whether `name` is "optim/<param>/<k>" with k in decimal; then *slot = k and *prefix_length
+// is the length of "optim/<param>/".
+bool NumberedSlot(const std::string& name, size_t* slot, size_t* prefix_length) {
+  if (!name.starts_with("optim/")) return false;
+  const size_t slash = name.rfind('/');
+  if (slash <= 6 || slash + 1 == name.size() || name.size() - slash > 3) return false;
+  size_t k = 0;
+  for (size_t i = slash + 1; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return false;
+    k = k * 10 + static_cast<size_t>(name[i] - '0');
+  }
+  *slot = k;
+  *prefix_length = slash + 1;
+  return true;
+}
+
 bool IsComplete(const fs::path& dir) {
   std::error_code ec;
   return fs::is_regular_file(dir / kCompleteFile, ec);
@@ -218,6 +235,12 @@ std::string DamagedAdvice(const fs::path& dir, int64_t step) {
 
 }  // namespace
 
+std::vector<std::string> OptimizerSlotNames(const std::string& kind) {
+  if (kind == "adam" || kind == "adamw") return {"exp_avg", "exp_avg_sq"};
+  if (kind == "sgd") return {"momentum_buffer"};
+  return {};
+}
+
 std::string StepDirName(int64_t step) {
   char name[40];
   std::snprintf(name, sizeof(name), "step-%06lld", static_cast<long long>(step));
@@ -236,9 +259,18 @@ struct CheckpointWriter::State : cai_checkpoint {
   int world_size = 0;
   DeviceCopy copy;
   std::optional<RankFileWriter> file;
+  std::vector<std::string> slot_names;
 
-  void WriteTensor(const std::string& name, const cai_tensor& t) override {
+  // "optim/<param>/<k>" under slot k's name, when it has one.
+  std::string Stored(const std::string& name) const {
+    size_t k = 0, prefix = 0;
+    if (!NumberedSlot(name, &k, &prefix) || k >= slot_names.size()) return name;
+    return name.substr(0, prefix) + slot_names[k];
+  }
+
+  void WriteTensor(const std::string& given, const cai_tensor& t) override {
     SavePoint(rank);
+    const std::string name = Stored(given);
     RankFileWriter& out = Open(name);
     const std::string what = "tensor '" + name + "'";
     const int64_t numel = CheckedNumel(t, what);
@@ -322,6 +354,10 @@ CheckpointWriter::~CheckpointWriter() = default;
 
 cai_checkpoint* CheckpointWriter::handle() { return state_.get(); }
 
+void CheckpointWriter::NameOptimizerSlots(std::vector<std::string> names) {
+  state_->slot_names = std::move(names);
+}
+
 fs::path CheckpointWriter::Commit(const std::function<void()>& barrier) {
   State& s = *state_;
   if (!s.file) {
@@ -388,7 +424,16 @@ struct CheckpointReader::State : cai_checkpoint {
 
   const Entry& Find(const std::map<std::string, Location>& table, const std::string& name,
                     const char* kind, Location* where) const {
-    const auto it = table.find(name);
+    auto it = table.find(name);
+    size_t k = 0, prefix = 0;
+    if (&table == &tensors && NumberedSlot(name, &k, &prefix)) {
+      for (const char* optimizer : {"adamw", "sgd"}) {
+        const std::vector<std::string> names = OptimizerSlotNames(optimizer);
+        if (it == table.end() && k < names.size()) {
+          it = table.find(name.substr(0, prefix) + names[k]);
+        }
+      }
+    }
     if (it == table.end()) {
       throw Error(CAI_NOT_FOUND, std::string("checkpoint ") + dir.string() + " has no " + kind +
                                      " '" + name + "'");
@@ -504,11 +549,6 @@ struct CheckpointReader::State : cai_checkpoint {
     int64_t numel = 0;
     int64_t shard = 0;
   };
-  struct ShardedParam {
-    std::string unit;
-    int64_t offset = 0, numel = 0, shard = 0;
-  };
-
   static std::string ShardName(const ShardedTensor& t, int64_t j) {
     return t.prefix + "." + std::to_string(j);
   }
@@ -516,7 +556,13 @@ struct CheckpointReader::State : cai_checkpoint {
   const ShardedTensor* FindSharded(const std::string& name) {
     if (!sharded_index) {
       sharded_index.emplace();
-      if (metas.count(kShardedIndexKey)) ParseShardedIndex(ReadMeta(kShardedIndexKey));
+      if (metas.count(kShardedIndexKey)) {
+        try {
+          sharded_index = sdk::ParseShardedIndex(ReadMeta(kShardedIndexKey));
+        } catch (const sdk::Error& e) {
+          throw Error(e.code(), "checkpoint " + dir.string() + ": " + e.what());
+        }
+      }
     }
     if (sharded_index->empty()) return nullptr;
     std::string param, what = "param";
@@ -536,29 +582,6 @@ struct CheckpointReader::State : cai_checkpoint {
                     p->second.shard};
     if (!tensors.count(ShardName(t, 0))) return nullptr;
     return &sharded_views.insert_or_assign(name, std::move(t)).first->second;
-  }
-
-  void ParseShardedIndex(const std::string& text) {
-    std::istringstream in(text);
-    std::string magic, word, unit;
-    int version = 0;
-    int64_t shards = 0, shard = 0;
-    const std::string where = "checkpoint " + dir.string() + ": meta '" + kShardedIndexKey + "'";
-    if (!(in >> magic >> version >> shards) || magic != "fsdp-sharded" || version != 1) {
-      throw Error(CAI_DATA_LOSS, where + " does not start with 'fsdp-sharded 1 <shards>'");
-    }
-    while (in >> word) {
-      if (word == "unit" && in >> unit >> shard && shard > 0) continue;
-      ShardedParam p{unit, 0, 0, shard};
-      std::string name;
-      if (word != "param" || unit.empty() || !(in >> p.offset >> p.numel) || p.offset < 0 ||
-          p.numel < 0) {
-        throw Error(CAI_DATA_LOSS, where + " is malformed at '" + word + "'");
-      }
-      in.get();
-      std::getline(in, name);
-      (*sharded_index)[name] = p;
-    }
   }
 
   // Elements [offset, offset + count) of a canonical tensor, from the shards that hold them.
@@ -594,7 +617,7 @@ struct CheckpointReader::State : cai_checkpoint {
 
   static constexpr const char* kShardedIndexKey = "fsdp.index";
   static constexpr const char* kShardedPrefix = "fsdp/";
-  std::optional<std::map<std::string, ShardedParam>> sharded_index;  // parsed on first need
+  std::optional<std::map<std::string, sdk::ShardedParam>> sharded_index;  // parsed on first need
   std::map<std::string, ShardedTensor> sharded_views;
 };
 

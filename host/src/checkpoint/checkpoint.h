@@ -47,6 +47,10 @@ struct DeviceCopy {
       to_device;
 };
 
+// torch.optim's names of an optimizer's state slots, by slot index: adam and adamw
+// {"exp_avg", "exp_avg_sq"}, sgd {"momentum_buffer"}; empty for other kinds.
+std::vector<std::string> OptimizerSlotNames(const std::string& kind);
+
 // "step-000100": the directory name of a step (six digits, more when the step needs them).
 std::string StepDirName(int64_t step);
 
@@ -64,6 +68,12 @@ class CheckpointWriter {
 
   // What the plugin's save() writes through; valid until Commit() or destruction.
   cai_checkpoint* handle();
+
+  // Names of the optimizer's state slots, by index (AdamW: exp_avg, exp_avg_sq; SGD:
+  // momentum_buffer): a tensor the strategy writes as "optim/<param>/<k>" is stored as
+  // "optim/<param>/<names[k]>", as torch.optim's state_dict names it. Readers find it under
+  // either name (CheckpointReader). Without names, slots keep their numbers.
+  void NameOptimizerSlots(std::vector<std::string> names);
 
   // Finishes and fsyncs this rank's file, calls barrier(); rank 0 then publishes the
   // checkpoint (COMPLETE, rename, `latest`); then barrier() again so that no rank returns
@@ -92,7 +102,10 @@ class CheckpointReader {
   CheckpointReader(const CheckpointReader&) = delete;
   CheckpointReader& operator=(const CheckpointReader&) = delete;
 
-  // What the plugin's load() reads through; valid while the reader lives.
+  // What the plugin's load() reads through; valid while the reader lives. A tensor asked for
+  // as "optim/<param>/<k>" that the checkpoint does not hold under that name is read from
+  // slot k's name (OptimizerSlotNames of adamw, then of sgd), so checkpoints with named and with
+  // numbered slots both load.
   cai_checkpoint* handle();
   int saved_world_size() const;
   int64_t step() const;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli/bench_command.h"
+#include "cli/interop_command.h"
 #include "cli/plugins_command.h"
 #include "cli/train_command.h"
 #include "core/log.h"
@@ -22,6 +23,10 @@ commands:
   train [JOB.toml] [--nproc N] [--run-dir DIR] [--set key=value]...
                             train a job, or the defaults (`cai train --help` for details)
   plan JOB.toml [--nproc N] parameters, per-rank memory of each strategy, what "auto" picks
+  export CHECKPOINT --format safetensors OUT_DIR
+                            a checkpoint's weights in Hugging Face's names and layouts, with
+                            config.json (`cai export --help`)
+  import DIR                the [model] keys that train from Hugging Face safetensors in DIR
   bench comm [--nproc N]    time every collective, nccl-tests style
   plugins list [--json]     every plugin found, with version, ABI, path and status
   plugins info NAME         a plugin's manifest, capabilities and config keys
@@ -73,6 +78,8 @@ int main(int argc, char** argv) {
     if (rest[0] == "train") return cai::RunTrainCommand(options, rest.subspan(1));
     if (rest[0] == "plan") return cai::RunPlanCommand(options, rest.subspan(1));
     if (rest[0] == "bench") return cai::RunBenchCommand(options, rest.subspan(1));
+    if (rest[0] == "export") return cai::RunExportCommand(rest.subspan(1), std::cout);
+    if (rest[0] == "import") return cai::RunImportCommand(rest.subspan(1), std::cout);
     return Usage("unknown command '" + rest[0] + "'");
   } catch (const cai::Error& e) {
     std::cerr << "cai: error: " << e.what() << "\n";

@@ -1,9 +1,12 @@
-// A minimal JSON writer for the run directory's metrics.jsonl and summary.json.
+// A minimal JSON writer for the run directory's metrics.jsonl and summary.json, and a reader
+// for the JSON other tools write (safetensors headers, Hugging Face's config.json).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <map>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -33,5 +36,26 @@ class JsonObject {
 
 // "[a, b, ...]" of already-formatted JSON values.
 std::string JsonArray(const std::vector<std::string>& items);
+
+// A parsed JSON value. Numbers keep their text's integer value when they have one (shapes and
+// offsets beyond 2^53 stay exact). Objects keep the last of repeated keys.
+struct JsonValue {
+  enum class Type { kNull, kBool, kNumber, kString, kArray, kObject };
+  Type type = Type::kNull;
+  bool boolean = false;
+  double number = 0;
+  bool is_integer = false;  // the text was an integer that fits int64
+  int64_t integer = 0;
+  std::string string;
+  std::vector<JsonValue> array;
+  std::map<std::string, JsonValue, std::less<>> object;
+
+  // The member `key` of an object, or nullptr (also when this is not an object).
+  const JsonValue* Find(std::string_view key) const;
+};
+
+// Parses `text` (RFC 8259; nesting at most 64 deep). Throws cai::Error INVALID_ARGUMENT naming
+// `what` and the byte offset on malformed input.
+JsonValue ParseJson(std::string_view text, const std::string& what);
 
 }  // namespace cai

@@ -376,13 +376,20 @@ struct Model::Impl {
   torch::Tensor Loss(const torch::Tensor& logits, const cai_tensor* targets) {
     if (targets == nullptr) Fail(CAI_INVALID_ARGUMENT, "targets is NULL");
     torch::Tensor t = Tokens(*targets, "targets");
-    CheckRange(t, -1, "targets");
     if (t.sizes() != logits.sizes().slice(0, 2)) {
       Fail(CAI_INVALID_ARGUMENT, "targets must have the tokens' shape [batch, seq]");
     }
+    // Both the configured ignore_index (PyTorch's -100 by default) and the ABI's -1 are
+    // ignored: cross_entropy takes one value, so -1 becomes ignore_index first.
+    const int64_t ignore = net->ignore_index;
+    const torch::Tensor skipped = t.eq(ignore).logical_or(t.eq(-1));
+    const std::string what = "targets other than " + std::to_string(ignore) +
+                             " (model.ignore_index)" + (ignore != -1 ? " and -1" : "");
+    CheckRange(t.masked_select(skipped.logical_not()), 0, what.c_str());
+    if (ignore != -1) t = t.masked_fill(t.eq(-1), ignore);
     return torch::nn::functional::cross_entropy(
         logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), t.reshape({-1}),
-        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-1));
+        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore));
   }
 };
 
@@ -433,6 +440,7 @@ bool GlobMatch(std::string_view pattern, std::string_view name) {
 }
 
 void ApplyParamOptions(Network& net, const ParamOptions& options) {
+  net.ignore_index = options.ignore_index;
   for (const std::string& pattern : options.frozen) {
     bool matched = false;
     for (ParamSpec& spec : net.params) {

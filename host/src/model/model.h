@@ -74,9 +74,12 @@ struct ModelConfig {
   // Only 0 is accepted: a stochastic forward could not be recomputed bit-identically under
   // activation checkpointing, nor match across ranks without shared RNG state.
   double dropout = 0.0;
-  bool bias = true;  // biases in linear layers (and LayerNorm for GPT-2)
-  double norm_eps = 1e-5;
-  double rope_theta = 10000.0;  // Llama
+  bool bias = true;             // biases in linear layers (and LayerNorm for GPT-2)
+  double norm_eps = 1e-5;       // LayerNorm (GPT-2) or RMSNorm (Llama) epsilon
+  double rope_theta = 10000.0;  // Llama: rotary base (HF's rope_theta)
+  // Standard deviation of the normal init of matrices and embeddings (HF's initializer_range);
+  // the residual projections take init_std / sqrt(2 * n_layer).
+  double init_std = 0.02;
 };
 
 // A stage's output activation (owned tensor with its autograd history). Opaque.
@@ -138,8 +141,9 @@ class Model {
   void RemoveHook(uint64_t id);
 
   // One micro-batch through the whole model: tokens and targets are int64 [batch, seq]
-  // (targets -1 = ignored). Returns the mean cross-entropy; with `backward`, back-propagates
-  // loss * loss_scale * loss_weight, accumulating into gradients.
+  // (targets equal to ParamOptions::ignore_index, or -1, are ignored). Returns the mean
+  // cross-entropy; with `backward`, back-propagates loss * loss_scale * loss_weight, accumulating
+  // into gradients.
   double ForwardBackward(const cai_tensor& tokens, const cai_tensor& targets, bool backward,
                          double loss_scale = 1.0, double loss_weight = 1.0);
 
@@ -180,7 +184,7 @@ class Model {
   std::unique_ptr<Impl> impl_;
 };
 
-// Choices made about a model's parameters before training starts.
+// Choices made about a model's parameters and its loss before training starts.
 struct ParamOptions {
   // Name patterns ('*' matches any run of characters) of parameters that do not train: their
   // requires_grad is cleared and strategies leave them out. A pattern that matches no
@@ -190,13 +194,16 @@ struct ParamOptions {
   // but that forward never reads, as models with conditional branches have: strategies must
   // finish a step without its gradient (PyTorch DDP's find_unused_parameters case).
   bool unused_parameter = false;
+  // Targets equal to this value add nothing to the loss (PyTorch's CrossEntropyLoss default,
+  // which Hugging Face's labels use). -1, the value the ABI documents, is ignored as well.
+  int64_t ignore_index = -100;
 };
 
 // A zoo model initialised from `seed`: the same seed gives bit-identical weights in every
 // process, independent of thread count (each parameter is drawn on the CPU from its own
 // generator seeded by (seed, parameter index)). Init as GPT-2/nanoGPT: N(0, 0.02) for
 // matrices and embeddings, N(0, 0.02 / sqrt(2 * n_layer)) for the residual projections
-// (attention output, MLP down), zero biases, unit norm weights.
+// (attention output, MLP down), zero biases, unit norm weights; init_std replaces 0.02.
 std::unique_ptr<Model> MakeZooModel(const ModelConfig& config, uint64_t seed,
                                     const ParamOptions& options = {});
 

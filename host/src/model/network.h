@@ -50,8 +50,9 @@ class Network {
   std::vector<ParamSpec> params;
   std::vector<UnitSpec> units;
   std::vector<std::pair<std::string, torch::Tensor>> buffers;
-  int64_t vocab_size = 0;  // 0: unknown, tokens are not range-checked
-  int64_t n_ctx = 0;       // 0: unknown, sequence length is not checked
+  int64_t vocab_size = 0;       // 0: unknown, tokens are not range-checked
+  int64_t n_ctx = 0;            // 0: unknown, sequence length is not checked
+  int64_t ignore_index = -100;  // targets the loss skips (besides -1); ParamOptions sets it
 
  protected:
   // Parameter `index` in the compute dtype; a differentiable cast when storage differs.

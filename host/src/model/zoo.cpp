@@ -56,6 +56,8 @@ void Validate(const ModelConfig& c) {
         "activation checkpointing");
   }
   if (!(c.norm_eps > 0.0)) BadConfig("norm_eps must be positive");
+  if (!(c.rope_theta > 0.0)) BadConfig("rope_theta must be positive");
+  if (!(c.init_std >= 0.0)) BadConfig("init_std must be >= 0");
 }
 
 // Registers parameters in order; the registration index seeds each parameter's generator.
@@ -158,7 +160,7 @@ class Gpt2 final : public ZooNetwork {
     ffn_ = c.ffn_hidden == 0 ? 4 * c.n_embd : c.ffn_hidden;
     const int64_t e = c.n_embd;
     // GPT-2 paper, section 2.3: residual projections scaled by 1/sqrt(N), N = 2 * n_layer.
-    const double std = 0.02, residual_std = 0.02 / std::sqrt(2.0 * double(c.n_layer));
+    const double std = c.init_std, residual_std = c.init_std / std::sqrt(2.0 * double(c.n_layer));
     Builder b(*this, seed);
     auto bias = [&](const std::string& m, int64_t n, int32_t u, cai_param_role r, int32_t pd) {
       return c.bias ? b.Fill(m, "bias", n, 0.0, u, r, pd) : kNone;
@@ -230,7 +232,7 @@ class Llama final : public ZooNetwork {
     // Meta's reference: hidden = 2/3 * 4 * n_embd, rounded up to a multiple of 256.
     ffn_ = c.ffn_hidden != 0 ? c.ffn_hidden : 256 * ((8 * c.n_embd / 3 + 255) / 256);
     const int64_t e = c.n_embd, d = e / c.n_head;
-    const double std = 0.02, residual_std = 0.02 / std::sqrt(2.0 * double(c.n_layer));
+    const double std = c.init_std, residual_std = c.init_std / std::sqrt(2.0 * double(c.n_layer));
     Builder b(*this, seed);
     auto bias = [&](const std::string& m, int64_t n, int32_t u, cai_param_role r, int32_t pd) {
       return c.bias ? b.Fill(m, "bias", n, 0.0, u, r, pd) : kNone;

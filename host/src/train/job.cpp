@@ -38,9 +38,31 @@ const cai_config_key kModelKeys[] = {
     IntKey("n_kv_head", "0", "Key/value heads for Llama grouped-query attention (0 = n_head).", 0,
            0, kMin),
     IntKey("n_embd", "128", "Hidden size.", 1, 0, kMin),
-    IntKey("ffn_hidden", "0", "MLP hidden size (0 = 4*n_embd for GPT-2, 8/3*n_embd for Llama).", 0,
-           0, kMin),
-    BoolKey("bias", "true", "Biases in linear layers (and GPT-2's LayerNorm)."),
+    IntKey("ffn_hidden", "0",
+           "MLP hidden size (0 = 4*n_embd for GPT-2; for Llama 8/3*n_embd rounded up to a "
+           "multiple of 256, as Meta's reference).",
+           0, 0, kMin),
+    BoolKey("bias", "true",
+            "Biases in linear layers (and GPT-2's LayerNorm). Default: true for gpt2, false for "
+            "llama (as GPT2LMHeadModel and LlamaForCausalLM)."),
+    FloatKey("norm_eps", "1e-5",
+             "Epsilon of the LayerNorm (gpt2, HF's layer_norm_epsilon) or RMSNorm (llama, HF's "
+             "rms_norm_eps).",
+             0, 0, kMin),
+    FloatKey("rope_theta", "10000.0", "Llama: base of the rotary position embedding.", 0, 0, kMin),
+    FloatKey("init_std", "0.02",
+             "Standard deviation of the initial matrices and embeddings (HF's initializer_range); "
+             "residual projections take init_std / sqrt(2 * n_layer).",
+             0, 0, kMin),
+    IntKey("ignore_index", "-100",
+           "Target value the loss skips (PyTorch's CrossEntropyLoss default); -1 is skipped "
+           "too.",
+           0, 0, 0),
+    StringKey("init_from", "\"\"",
+              "Initial weights instead of the seeded init: a directory of safetensors in Hugging "
+              "Face names and layouts (config.json, model.safetensors[.index.json]), as `cai "
+              "export` writes and GPT2LMHeadModel / LlamaForCausalLM save; its config.json must "
+              "match these keys (`cai import DIR` prints them)."),
     BoolKey("activation_checkpointing", "false",
             "Recompute each block's forward during backward to save activation memory."),
     StringKey("freeze", "\"\"",
@@ -101,6 +123,9 @@ const cai_config_key kTrainKeys[] = {
 const cai_config_key kCheckpointKeys[] = {
     IntKey("every", "0", "Save a checkpoint every this many steps (0 = never).", 0, 0, kMin),
     BoolKey("at_end", "true", "Save a checkpoint after the last step."),
+    BoolKey("at_start", "false",
+            "Save a complete checkpoint of step 0 (the initial weights and zero optimizer "
+            "state) before the first step; not when resuming."),
     BoolKey("resume", "false",
             "Resume from the latest complete checkpoint of the run directory, if there is one."),
 };
@@ -186,6 +211,17 @@ std::string WhereTable(const toml::table& table) {
     where = WhereWritten(it->second);
   }
   return where;
+}
+
+// Keys whose default depends on model.kind: Llama has no biases unless asked (as HF's
+// LlamaForCausalLM). Resolved here so config.resolved.toml states the value used.
+void ResolveArchDefaults(cai_config& model) {
+  auto bias = model.values.find(std::string_view("bias"));
+  auto kind = model.values.find(std::string_view("kind"));
+  if (bias != model.values.end() && bias->second.is_default && kind != model.values.end() &&
+      kind->second.s == "llama") {
+    bias->second.b = false;
+  }
 }
 
 void AppendSection(std::ostringstream& out, const std::string& name, const cai_config& config) {
@@ -296,6 +332,7 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
   for (const auto& [name, schema] : JobSchema()) {
     const toml::table* table = root[name].as_table();
     auto config = ValidateConfig(schema, table, "[" + name + "] in " + where);
+    if (name == "model") ResolveArchDefaults(*config);
     AppendSection(resolved, name, *config);
     if (name == "model")
       job.model = std::move(config);
@@ -393,6 +430,9 @@ ModelConfig ZooModelConfig(const cai_config& m) {
   config.n_embd = GetInt(m, "n_embd");
   config.ffn_hidden = GetInt(m, "ffn_hidden");
   config.bias = GetBool(m, "bias");
+  config.norm_eps = GetFloat(m, "norm_eps");
+  config.rope_theta = GetFloat(m, "rope_theta");
+  config.init_std = GetFloat(m, "init_std");
   return config;
 }
 

@@ -29,6 +29,7 @@
 #include "data/sampler.h"
 #include "data/token_file.h"
 #include "data/tokenizer.h"
+#include "interop/hf_weights.h"
 #include "launch/local_launcher.h"
 #include "launch/rank_env.h"
 #include "loader/registry.h"
@@ -114,6 +115,7 @@ std::unique_ptr<Model> BuildModel(const JobConfig& job, uint64_t seed) {
     if (!pattern.empty()) options.frozen.push_back(pattern);
   }
   options.unused_parameter = GetBool(m, "unused_parameter");
+  options.ignore_index = GetInt(m, "ignore_index");
   if (kind == "torchscript") {
     const std::string& path = GetString(m, "path");
     if (path.empty()) {
@@ -124,9 +126,20 @@ std::unique_ptr<Model> BuildModel(const JobConfig& job, uint64_t seed) {
     if (!fs::is_regular_file(path)) {
       throw Error(CAI_NOT_FOUND, "model.path: TorchScript file '" + path + "' not found");
     }
+    if (!GetString(m, "init_from").empty()) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "model.init_from reads Hugging Face weights into the zoo's gpt2 and llama; a "
+                  "TorchScript model brings its own weights");
+    }
     return LoadTorchScriptModel(path, options);
   }
-  auto model = MakeZooModel(ZooModelConfig(m), seed, options);
+  const ModelConfig config = ZooModelConfig(m);
+  auto model = MakeZooModel(config, seed, options);
+  // Before the strategy takes the parameters over: every strategy starts from them as from
+  // the seeded init.
+  if (const std::string& dir = GetString(m, "init_from"); !dir.empty()) {
+    interop::LoadHfWeights(dir, config, *model);
+  }
   model->SetActivationCheckpointing(GetBool(m, "activation_checkpointing"));
   return model;
 }
@@ -678,6 +691,7 @@ double Run::StepLoss(int64_t step) {
 void Run::SaveCheckpoint(int64_t step) {
   ckpt::CheckpointWriter writer(run_dir_ / "checkpoints", step, env_.rank, env_.world_size,
                                 env_.run_id);
+  writer.NameOptimizerSlots(ckpt::OptimizerSlotNames(GetString(*job_.optimizer, "kind")));
   cai_checkpoint_args args{};
   args.struct_size = CAI_CHECKPOINT_ARGS_STRUCT_SIZE;
   args.checkpoint = writer.handle();
@@ -835,6 +849,9 @@ int Run::Execute() {
   progress_bar_ = env_.rank == 0 && env_.world_size == 1 && isatty(STDERR_FILENO);
   const int64_t eval_every = GetInt(*job_.train, "eval_every");
   const int64_t ckpt_every = GetInt(*job_.checkpoint, "every");
+  // Before any step, through the strategy's own save like every other checkpoint, so a step-0
+  // checkpoint loads wherever the strategy's later ones do.
+  if (start_step_ == 0 && GetBool(*job_.checkpoint, "at_start")) SaveCheckpoint(0);
   loop_start_ = Clock::now();
   for (int64_t step = start_step_ + 1; step <= steps_; ++step) {
     const auto t0 = Clock::now();

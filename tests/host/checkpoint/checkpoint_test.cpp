@@ -105,6 +105,45 @@ TEST_F(CheckpointTest, ApiTable_IsFullyFilled) {
   EXPECT_EQ(api.saved_world_size(nullptr), 0);
 }
 
+TEST_F(CheckpointTest, OptimizerSlots_StoredUnderTorchNamesAndReadByNumberOrName) {
+  std::vector<float> m{1, 2}, v{3, 4}, momentum{5, 6};
+  View vm(m, kFp32, {2}), vv(v, kFp32, {2}), vmom(momentum, kFp32, {2});
+  fs::path adam, sgd, numbered;
+  {
+    CheckpointWriter writer(run_ / "adam", 1, 0, 1, "r");
+    writer.NameOptimizerSlots(OptimizerSlotNames("adamw"));
+    Ok(Api().write_tensor(writer.handle(), "optim/blocks.0.w/0", &vm.tensor));
+    Ok(Api().write_tensor(writer.handle(), "optim/blocks.0.w/1", &vv.tensor));
+    adam = writer.Commit([] {});
+  }
+  {
+    CheckpointWriter writer(run_ / "sgd", 1, 0, 1, "r");
+    writer.NameOptimizerSlots(OptimizerSlotNames("sgd"));
+    Ok(Api().write_tensor(writer.handle(), "optim/w/0", &vmom.tensor));
+    sgd = writer.Commit([] {});
+  }
+  {
+    CheckpointWriter writer(run_ / "old", 1, 0, 1, "r");  // as written before slots had names
+    Ok(Api().write_tensor(writer.handle(), "optim/w/0", &vm.tensor));
+    numbered = writer.Commit([] {});
+  }
+  RankFileReader file(adam / RankFileName(0));
+  std::vector<std::string> names;
+  for (const Entry& e : file.entries()) names.push_back(e.name);
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"optim/blocks.0.w/exp_avg", "optim/blocks.0.w/exp_avg_sq"}));
+  EXPECT_EQ(ReadFloats(adam, "optim/blocks.0.w/1", 2), v);
+  EXPECT_EQ(ReadFloats(adam, "optim/blocks.0.w/exp_avg", 2), m);
+  EXPECT_EQ(ReadFloats(sgd, "optim/w/0", 2), momentum);
+  EXPECT_EQ(ReadFloats(sgd, "optim/w/momentum_buffer", 2), momentum);
+  EXPECT_EQ(ReadFloats(numbered, "optim/w/0", 2), m);
+  CheckpointReader reader(sgd);
+  std::vector<float> out(2);
+  View o(out, kFp32, {2});
+  ExpectStatus(Api().read_tensor(reader.handle(), "optim/w/1", 0, 0, &o.tensor), CAI_NOT_FOUND,
+               {"optim/w/1"});
+}
+
 TEST_F(CheckpointTest, SaveThenLoad_RoundTripsTensorsShapesAndMeta) {
   std::vector<float> w{1, 2, 3, 4, 5, 6};
   std::vector<int64_t> ids{7, -8, 1LL << 40, 0};
@@ -299,7 +338,7 @@ TEST_F(CheckpointTest, ShardedLayout_ReadsCanonicalNamesAcrossShards) {
   const fs::path bad = save(2, "fsdp-sharded 1 3\nunit u 3\nparma 0 4 a\n");
   CheckpointReader bad_reader(bad);
   ExpectStatus(Api().read_tensor(bad_reader.handle(), "model/a", 0, 0, &bv.tensor), CAI_DATA_LOSS,
-               {"meta 'fsdp.index'", "malformed at 'parma'"});
+               {"meta 'fsdp.index'", "unknown line 'parma'"});
 }
 
 TEST_F(CheckpointTest, WritingDuringLoadOrReadingDuringSave_IsAFailedPrecondition) {

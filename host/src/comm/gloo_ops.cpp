@@ -8,6 +8,7 @@
 #include <gloo/common/error.h>
 #include <gloo/reduce.h>
 #include <gloo/types.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <bit>
@@ -15,6 +16,8 @@
 #include <cstring>
 #include <functional>
 #include <vector>
+
+#include "comm/pair_socket.h"
 
 namespace cai::comm {
 
@@ -426,6 +429,34 @@ void WaitPointToPoint(gloo::transport::UnboundBuffer& buffer, const OpSpec& spec
   } else {
     buffer.waitRecv(spec.timeout);
   }
+}
+
+void AllGatherInt64(gloo::Context& context, const int64_t* in, int64_t* out, size_t n,
+                    std::chrono::milliseconds timeout) {
+  std::shared_ptr<gloo::Context> shared(std::shared_ptr<gloo::Context>(), &context);
+  gloo::AllgatherOptions opts(shared);
+  opts.setInput<int64_t>(const_cast<int64_t*>(in), n);
+  opts.setOutput<int64_t>(out, n * static_cast<size_t>(context.size));
+  opts.setTimeout(timeout);
+  gloo::allgather(opts);
+}
+
+void ShutdownConnections(gloo::Context& context) {
+  for (int peer = 0; peer < context.size; ++peer) {
+    if (peer == context.rank) continue;
+    auto* pair = dynamic_cast<gloo::transport::tcp::Pair*>(context.getPair(peer).get());
+    if (pair != nullptr) WithPairSocket(*pair, [](int fd) { ::shutdown(fd, SHUT_RDWR); });
+  }
+}
+
+std::vector<std::string> PeerAddresses(gloo::Context& context) {
+  std::vector<std::string> out(static_cast<size_t>(context.size));
+  for (int peer = 0; peer < context.size; ++peer) {
+    if (peer == context.rank) continue;
+    auto* pair = dynamic_cast<gloo::transport::tcp::Pair*>(context.getPair(peer).get());
+    if (pair != nullptr) out[static_cast<size_t>(peer)] = (pair->*PairSocket::kPeer).str();
+  }
+  return out;
 }
 
 }  // namespace cai::comm

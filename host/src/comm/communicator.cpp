@@ -170,7 +170,8 @@ struct cai_comm_group {
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<gloo::Context> context;
   std::shared_ptr<gloo::Context> check_context;  // the call check's; null when it is off
-  std::vector<std::string> peer_addresses;       // comm::PeerAddresses(*context)
+  // What Gloo's errors may call each rank's connections (comm::AddPeerEndpoints).
+  std::vector<std::vector<std::string>> peer_endpoints;
   Counters counters;
   // Wire accounting (cai::WireCounters); guarded by wire_mu. `sent` is null where the kernel
   // cannot tell.
@@ -484,6 +485,12 @@ class Communicator::Impl {
           [this](const std::string& report) {
             Abort(report);
             if (options_.on_peer_failure) options_.on_peer_failure(report);
+          },
+          [this](int rank) -> std::string {
+            const auto last = progress_->LastStarted(*world_, rank);
+            if (!last || *last == 0) return "";
+            return "; the last collective it started was #" + std::to_string(*last) +
+                   " on group 'world'";
           });
     }
   }
@@ -806,7 +813,8 @@ class Communicator::Impl {
                                        g->RankName(g->rank) + ": " + e.what());
     }
     g->check_context = std::move(check);
-    g->peer_addresses = comm::PeerAddresses(*context);
+    comm::AddPeerEndpoints(*context, g->peer_endpoints);
+    if (g->check_context) comm::AddPeerEndpoints(*g->check_context, g->peer_endpoints);
     g->sent = comm::TcpBytesSent::Open(*context);
     if (g->sent) g->wire_seen = g->sent->Read();  // the rendezvous's own bytes are no op's
     g->context = std::move(context);
@@ -995,8 +1003,12 @@ class Communicator::Impl {
   std::string ClosedBy(const cai_comm_group& g, const std::string& what) {
     std::string out;
     for (int r = 0; r < g.size; ++r) {
-      const std::string& address = g.peer_addresses[static_cast<size_t>(r)];
-      if (address.empty() || what.find(address) == std::string::npos) continue;
+      const auto& names = g.peer_endpoints[static_cast<size_t>(r)];
+      const bool named = std::any_of(names.begin(), names.end(), [&](const std::string& name) {
+        return what.find(name + ":") != std::string::npos ||
+               what.find(name + " ") != std::string::npos || what.ends_with(name);
+      });
+      if (!named) continue;
       out += "; " + g.RankName(r) + " closed its connection (it exited or was killed)";
       if (const auto last = progress_->LastStarted(g, r)) {
         out += *last == 0 ? "; it had not started any collective"

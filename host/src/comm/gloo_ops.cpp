@@ -1,5 +1,6 @@
 #include "comm/gloo_ops.h"
 
+#include <arpa/inet.h>
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/alltoall.h>
@@ -8,6 +9,7 @@
 #include <gloo/common/error.h>
 #include <gloo/reduce.h>
 #include <gloo/types.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -449,14 +451,30 @@ void ShutdownConnections(gloo::Context& context) {
   }
 }
 
-std::vector<std::string> PeerAddresses(gloo::Context& context) {
-  std::vector<std::string> out(static_cast<size_t>(context.size));
+void AddPeerEndpoints(gloo::Context& context, std::vector<std::vector<std::string>>& by_rank) {
+  by_rank.resize(static_cast<size_t>(context.size));
   for (int peer = 0; peer < context.size; ++peer) {
     if (peer == context.rank) continue;
     auto* pair = dynamic_cast<gloo::transport::tcp::Pair*>(context.getPair(peer).get());
-    if (pair != nullptr) out[static_cast<size_t>(peer)] = (pair->*PairSocket::kPeer).str();
+    if (pair == nullptr) continue;
+    std::vector<std::string>& names = by_rank[static_cast<size_t>(peer)];
+    names.push_back((pair->*PairSocket::kPeer).str());
+    WithPairSocket(*pair, [&](int fd) {
+      sockaddr_in address{};
+      socklen_t len = sizeof(address);
+      char ip[INET_ADDRSTRLEN] = {};
+      if (getpeername(fd, reinterpret_cast<sockaddr*>(&address), &len) != 0 ||
+          address.sin_family != AF_INET ||
+          inet_ntop(AF_INET, &address.sin_addr, ip, sizeof(ip)) == nullptr) {
+        return;
+      }
+      // Gloo prints an accepted connection's peer by its socket address; the port in either
+      // byte order, as Gloo versions differ.
+      for (const uint16_t port : {ntohs(address.sin_port), address.sin_port}) {
+        names.push_back("[" + std::string(ip) + "]:" + std::to_string(port));
+      }
+    });
   }
-  return out;
 }
 
 }  // namespace cai::comm

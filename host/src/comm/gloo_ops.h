@@ -62,9 +62,9 @@ void AllGatherInt64(gloo::Context& context, const int64_t* in, int64_t* out, siz
 // peers see the connections close too. For aborting a communicator whose peer is lost.
 void ShutdownConnections(gloo::Context& context);
 
-// How Gloo's errors name each peer's connection ("[127.0.0.1]:41234"), by rank; empty for
-// this rank and for a connection that is not Gloo TCP. So that "connection closed by peer
-// [127.0.0.1]:41234" can say which rank that was.
-std::vector<std::string> PeerAddresses(gloo::Context& context);
+// Adds to by_rank[r] (resized to the group) the names Gloo's errors may give the connection to
+// rank r ("[127.0.0.1]:41234": its listening address, or the socket's peer address), so that
+// "connection closed by peer [127.0.0.1]:41234" can say which rank that was.
+void AddPeerEndpoints(gloo::Context& context, std::vector<std::vector<std::string>>& by_rank);
 
 }  // namespace cai::comm

@@ -38,11 +38,12 @@ int64_t Now() { return Clock::now().time_since_epoch().count(); }
 void Liveness::Announce(Store& store, int rank) { store.SetString(BeatKey(rank), "0|starting"); }
 
 Liveness::Liveness(std::unique_ptr<Store> store, const LivenessOptions& options, Activity activity,
-                   OnFailure on_failure)
+                   OnFailure on_failure, LastKnown last_known)
     : store_(std::move(store)),
       options_(options),
       activity_(std::move(activity)),
-      on_failure_(std::move(on_failure)) {
+      on_failure_(std::move(on_failure)),
+      last_known_(std::move(last_known)) {
   std::set<int> watched;
   if (options.rank != 0) watched.insert(0);
   for (int k = 1; k <= kWatched && k < options.world_size; ++k) {
@@ -163,12 +164,13 @@ void Liveness::Beat() {
       peer.value = std::move(value);
       peer.changed = now;
     } else if (now - peer.changed > options_.limit) {
-      Declare("rank " + std::to_string(watched_[i]) + " stopped answering: no heartbeat for " +
+      const int lost = watched_[i];
+      Declare("rank " + std::to_string(lost) + " stopped answering: no heartbeat for " +
                   Seconds(now - peer.changed) + " (limit " + Seconds(options_.limit) +
                   "; a hung or stopped process, or a lost node); its last heartbeat said it was "
                   "in " +
-                  ActivityOf(peer.value) + " (noticed by rank " + std::to_string(options_.rank) +
-                  ")",
+                  ActivityOf(peer.value) + (last_known_ ? last_known_(lost) : "") +
+                  " (noticed by rank " + std::to_string(options_.rank) + ")",
               true);
       return;
     }

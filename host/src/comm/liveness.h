@@ -51,6 +51,10 @@ class Liveness {
   // Called once, on a monitor thread, with the report naming the lost rank, what it was doing
   // and what this rank is doing. May end the process.
   using OnFailure = std::function<void(const std::string& report)>;
+  // Anything fresher than the heartbeat (beats are up to `interval` old) known of what rank
+  // `rank` was doing, as a phrase to append ("; the last collective it started was #5 ..."),
+  // or "". Called on the heartbeat thread when the rank is declared lost.
+  using LastKnown = std::function<std::string(int rank)>;
 
   // Publishes this rank's first beat. Call before the world's rendezvous completes, so that
   // every rank's beat key exists once any rank starts watching.
@@ -58,7 +62,7 @@ class Liveness {
 
   // Starts the threads. `store` is this monitor's own connection.
   Liveness(std::unique_ptr<Store> store, const LivenessOptions& options, Activity activity,
-           OnFailure on_failure);
+           OnFailure on_failure, LastKnown last_known);
   // Stops the threads without announcing anything (Leave first for a clean exit).
   ~Liveness();
   Liveness(const Liveness&) = delete;
@@ -92,6 +96,7 @@ class Liveness {
   const LivenessOptions options_;
   const Activity activity_;
   const OnFailure on_failure_;
+  const LastKnown last_known_;
   std::vector<int> watched_;
 
   struct Peer {

@@ -80,13 +80,14 @@ void StoppedRankIsNamedWithin10s(int world, int victim) {
       Init(ctx, milliseconds(5000));
       HostTensor<float> x(1000, kF32);
       AllReduce(x);
-      // The victim beats once more (every second) after the all-reduce, then stops.
+      // The victim beats (every second) after the all-reduce and the others read that beat
+      // (every second), then it stops.
       if (ctx.rank == victim) {
-        std::this_thread::sleep_for(milliseconds(1500));
+        std::this_thread::sleep_for(milliseconds(2500));
         raise(SIGSTOP);
         return;
       }
-      std::this_thread::sleep_for(milliseconds(1700));
+      std::this_thread::sleep_for(milliseconds(2700));
       const auto start = Clock::now();
       Outcome o;
       AllReduce(x, &o);
@@ -129,6 +130,34 @@ TEST(CommLiveness, Comm_ThreeRanks_StoppedRank_OthersFailWithin10sNamingItAndIts
 
 TEST(CommLiveness, Comm_ThreeRanks_StoppedRank0_OthersFailWithin10sNamingTheStoreHost) {
   StoppedRankIsNamedWithin10s(3, 0);
+}
+
+// A killed rank resets its connections: a peer in a collective with it fails at once, naming it.
+TEST(CommLiveness, Comm_ThreeRanks_KilledRank_PeersInCollectiveFailAtOnceNamingIt) {
+  const int port = FreePort();
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < 3; ++rank) {
+    pids.push_back(ForkRank({rank, 3, port}, [](const RankContext& ctx) {
+      Init(ctx, milliseconds(5000));
+      HostTensor<float> x(1000, kF32);
+      AllReduce(x);
+      if (ctx.rank == 2) raise(SIGKILL);
+      std::this_thread::sleep_for(milliseconds(300));
+      const auto start = Clock::now();
+      Outcome o;
+      AllReduce(x, &o);
+      const double took = std::chrono::duration<double>(Clock::now() - start).count();
+      std::printf("rank %d: failed after %.1f s: %s\n", ctx.rank, took, o.message.c_str());
+      EXPECT_EQ(o.code, CAI_UNAVAILABLE) << o.message;
+      EXPECT_LT(took, 3.0) << o.message;
+      EXPECT_NE(o.message.find("rank 2 closed its connection (it exited or was killed); the "
+                               "last collective it started was #1"),
+                std::string::npos)
+          << o.message;
+    }));
+  }
+  for (int rank = 0; rank < 2; ++rank) ExpectExitsCleanly(pids[rank], rank, seconds(40));
+  waitpid(pids[2], nullptr, 0);
 }
 
 TEST(CommLiveness, Comm_TwoRanks_LongCollectiveOnHealthyGroup_DoesNotTripHeartbeat) {

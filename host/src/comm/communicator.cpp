@@ -36,7 +36,7 @@
 // up the receive queued after it (Gloo moves the data only once both sides have posted). A
 // reporter thread publishes, per group, the last collective each rank started; a rank whose
 // collective times out reads it back to name the ranks that never arrived. The liveness
-// monitor's two threads (comm/liveness.h) heartbeat and watch the peers.
+// monitor's thread (comm/liveness.h) sends heartbeats and watches the peers'.
 //
 // The call check runs on a second Gloo context per group (check_context), so that its bytes
 // never mix with the wire counts of the group's own connections.
@@ -464,40 +464,30 @@ class Communicator::Impl {
     attr.hostname = bind.address;
     bind_description_ = bind.address + " (" + bind.why + ")";
     device_ = gloo::transport::tcp::CreateDevice(attr);
-    const bool watch = options.heartbeat_timeout.count() > 0 && options.world_size > 1;
-    // Before the world's rendezvous: once any rank watches, every beat key exists.
-    if (watch) comm::Liveness::Announce(*store_, options.rank);
-    std::vector<int32_t> all(options.world_size);
-    for (int i = 0; i < options.world_size; ++i) all[i] = i;
-    world_ = CreateGroup(all, "world");
-    if (watch) {
+    if (options.heartbeat_timeout.count() > 0 && options.world_size > 1) {
       comm::LivenessOptions lo;
       lo.rank = options.rank;
       lo.world_size = options.world_size;
       lo.limit = options.heartbeat_timeout;
-      // Five beats within the limit: a peer is declared lost after missing several, never one.
-      lo.interval = std::min(std::chrono::milliseconds(1000), options.heartbeat_timeout / 5);
-      lo.store_address = options.master_addr + ":" + std::to_string(options.master_port);
+      // Ten beats within the limit: a peer is declared lost after missing many, never one.
+      lo.interval = std::min(std::chrono::milliseconds(500), options.heartbeat_timeout / 10);
+      lo.bind_address = bind.address;
+      // Before the world's rendezvous, which then guarantees every rank's address is published.
       liveness_ = std::make_unique<comm::Liveness>(
-          std::make_unique<comm::Store>(options.master_addr, options.master_port, false,
-                                        options.heartbeat_timeout),
-          lo, [this] { return Activity(); },
+          *store_, lo, [this] { return Activity(); },
           [this](const std::string& report) {
             Abort(report);
             if (options_.on_peer_failure) options_.on_peer_failure(report);
-          },
-          [this](int rank) -> std::string {
-            const auto last = progress_->LastStarted(*world_, rank);
-            if (!last || *last == 0) return "";
-            return "; the last collective it started was #" + std::to_string(*last) +
-                   " on group 'world'";
           });
     }
+    std::vector<int32_t> all(options.world_size);
+    for (int i = 0; i < options.world_size; ++i) all[i] = i;
+    world_ = CreateGroup(all, "world");
+    if (liveness_) liveness_->Start(*store_);
   }
 
   ~Impl() {
-    // First, while every group still works: peers stop watching this rank, and rank 0 keeps
-    // the store up until they have stopped watching.
+    // First: the ranks watching this one stop, before its connections close.
     if (liveness_) liveness_->Leave();
     std::vector<cai_comm_group*> groups;
     {

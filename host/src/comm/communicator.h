@@ -9,9 +9,9 @@
 // went away, FAILED_PRECONDITION for a group broken by an earlier failure, INVALID_ARGUMENT
 // when the ranks of a group called different collectives (the call check below).
 //
-// Failure detection (comm/liveness.h): every rank heartbeats through the rendezvous store; a
-// peer that stops (killed, hung, SIGSTOPped, its node lost) is noticed within
-// heartbeat_timeout + 2 s, whatever the collective timeout. The communicator is then aborted:
+// Failure detection (comm/liveness.h): every rank sends heartbeats over UDP; a peer that stops
+// (killed, hung, SIGSTOPped, its node lost) is noticed within heartbeat_timeout + 0.5 s,
+// whatever the collective timeout. The communicator is then aborted:
 // every group's connections are shut down, so operations in flight fail at once with
 // UNAVAILABLE and the report (which rank, what it and this rank were doing), later ones fail
 // with FAILED_PRECONDITION; then on_peer_failure, if set, is called.

@@ -1,9 +1,17 @@
 #include "comm/liveness.h"
 
+#include <arpa/inet.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <set>
 
 #include "comm/store.h"
+#include "core/status.h"
 
 namespace cai::comm {
 
@@ -11,13 +19,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Successors each rank watches, besides rank 0 (whose beat tells what it was doing should its
-// store vanish). Two, so that one slow watcher does not delay the verdict.
-constexpr int kWatched = 2;
-constexpr const char* kVerdictKey = "cai/verdict";
-constexpr const char* kLeft = "left";
+// Successors each rank watches, besides rank 0. Two, so that one slow watcher does not delay
+// the verdict.
+constexpr int kSuccessors = 2;
+// Datagrams: "B <rank> <counter> <activity>", "L <rank>" (left), "V <report>" (verdict).
+constexpr size_t kMaxDatagram = 8192;
 
-std::string BeatKey(int rank) { return "cai/beat/" + std::to_string(rank); }
+std::string AddressKey(int rank) { return "cai/beat_addr/" + std::to_string(rank); }
 
 std::string Seconds(Clock::duration d) {
   char text[32];
@@ -25,35 +33,34 @@ std::string Seconds(Clock::duration d) {
   return text;
 }
 
-// What a beat value ("<counter>|<activity>") says the rank was doing.
-std::string ActivityOf(const std::string& beat) {
-  const size_t bar = beat.find('|');
-  return bar == std::string::npos ? "nothing reported yet" : beat.substr(bar + 1);
+std::set<int> WatchedBy(int rank, int world) {
+  std::set<int> watched;
+  if (rank != 0) watched.insert(0);
+  for (int k = 1; k <= kSuccessors && k < world; ++k) watched.insert((rank + k) % world);
+  return watched;
 }
-
-int64_t Now() { return Clock::now().time_since_epoch().count(); }
 
 }  // namespace
 
-void Liveness::Announce(Store& store, int rank) { store.SetString(BeatKey(rank), "0|starting"); }
-
-Liveness::Liveness(std::unique_ptr<Store> store, const LivenessOptions& options, Activity activity,
-                   OnFailure on_failure, LastKnown last_known)
-    : store_(std::move(store)),
-      options_(options),
-      activity_(std::move(activity)),
-      on_failure_(std::move(on_failure)),
-      last_known_(std::move(last_known)) {
-  std::set<int> watched;
-  if (options.rank != 0) watched.insert(0);
-  for (int k = 1; k <= kWatched && k < options.world_size; ++k) {
-    watched.insert((options.rank + k) % options.world_size);
+Liveness::Liveness(Store& store, const LivenessOptions& options, Activity activity,
+                   OnFailure on_failure)
+    : options_(options), activity_(std::move(activity)), on_failure_(std::move(on_failure)) {
+  fd_ = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  sockaddr_in self{};
+  self.sin_family = AF_INET;
+  socklen_t len = sizeof(self);
+  char ip[INET_ADDRSTRLEN] = {};
+  if (fd_ < 0 || inet_pton(AF_INET, options.bind_address.c_str(), &self.sin_addr) != 1 ||
+      ::bind(fd_, reinterpret_cast<sockaddr*>(&self), sizeof(self)) != 0 ||
+      ::getsockname(fd_, reinterpret_cast<sockaddr*>(&self), &len) != 0 ||
+      inet_ntop(AF_INET, &self.sin_addr, ip, sizeof(ip)) == nullptr) {
+    const std::string why = std::strerror(errno);
+    if (fd_ >= 0) ::close(fd_);
+    throw Error(CAI_UNAVAILABLE, "failure detection: cannot open a UDP socket on " +
+                                     options.bind_address + ": " + why);
   }
-  watched_.assign(watched.begin(), watched.end());
-  peers_.assign(watched_.size(), Peer{"", Clock::now()});
-  last_ok_ns_ = Now();
-  beat_thread_ = std::thread([this] { BeatLoop(); });
-  guard_thread_ = std::thread([this] { GuardLoop(); });
+  store.SetString(AddressKey(options.rank),
+                  std::string(ip) + " " + std::to_string(ntohs(self.sin_port)));
 }
 
 Liveness::~Liveness() {
@@ -62,8 +69,33 @@ Liveness::~Liveness() {
     stop_ = true;
   }
   cv_.notify_all();
-  if (beat_thread_.joinable()) beat_thread_.join();
-  if (guard_thread_.joinable()) guard_thread_.join();
+  if (thread_.joinable()) thread_.join();
+  ::close(fd_);
+}
+
+void Liveness::Start(Store& store) {
+  const int world = options_.world_size;
+  addresses_.resize(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    const std::string text = store.TryGet(AddressKey(r)).value_or("");
+    const size_t space = text.find(' ');
+    sockaddr_in& a = addresses_[static_cast<size_t>(r)];
+    a.sin_family = AF_INET;
+    if (space == std::string::npos ||
+        inet_pton(AF_INET, text.substr(0, space).c_str(), &a.sin_addr) != 1) {
+      throw Error(CAI_INTERNAL, "failure detection: rank " + std::to_string(r) +
+                                    " published no heartbeat address ('" + text + "')");
+    }
+    a.sin_port = htons(static_cast<uint16_t>(std::stoi(text.substr(space + 1))));
+  }
+  const std::set<int> watched = WatchedBy(options_.rank, world);
+  watched_.assign(watched.begin(), watched.end());
+  for (int r = 0; r < world; ++r) {
+    if (r != options_.rank && WatchedBy(r, world).count(options_.rank)) watchers_.push_back(r);
+  }
+  peers_.assign(static_cast<size_t>(world), Peer{});
+  for (Peer& p : peers_) p.heard = Clock::now();
+  thread_ = std::thread([this] { Loop(); });
 }
 
 void Liveness::Leave() {
@@ -72,123 +104,101 @@ void Liveness::Leave() {
     stop_ = true;
   }
   cv_.notify_all();
-  if (beat_thread_.joinable()) beat_thread_.join();
-  if (guard_thread_.joinable()) guard_thread_.join();
+  if (thread_.joinable()) thread_.join();
   if (declared_) return;
-  try {
-    store_->SetString(BeatKey(options_.rank), kLeft);
-    if (options_.rank != 0) return;
-    const auto deadline = Clock::now() + options_.limit + options_.interval;
-    for (int r = 1; r < options_.world_size && Clock::now() < deadline;) {
-      if (store_->TryGet(BeatKey(r)) == kLeft) {
-        ++r;
-      } else {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
-  } catch (const std::exception&) {
-    // The store is gone: nobody is left to watch this rank.
+  // Three times: a lost datagram would make a watcher that runs on take this rank for lost.
+  const std::string left = "L " + std::to_string(options_.rank);
+  for (int i = 0; i < 3; ++i) {
+    for (int w : watchers_) SendTo(w, left);
   }
 }
 
 bool Liveness::CheckVerdict() {
-  if (declared_) return true;
-  try {
-    if (auto verdict = store_->TryGet(kVerdictKey)) {
-      Declare(*verdict, false);
-      return true;
-    }
-  } catch (const std::exception&) {
-    // No store, no verdict: the closed connection is the news.
-  }
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, options_.interval, [&] { return declared_.load() || stop_; });
   return declared_;
 }
 
-std::string Liveness::Rank0Last() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (rank0_beat_.empty()) return "";
-  return "; its last heartbeat said it was in " + ActivityOf(rank0_beat_);
+void Liveness::SendTo(int rank, const std::string& message) {
+  const sockaddr_in& a = addresses_[static_cast<size_t>(rank)];
+  // Best effort: a datagram that cannot be sent now is a missed beat.
+  (void)::sendto(fd_, message.data(), std::min(message.size(), kMaxDatagram), MSG_DONTWAIT,
+                 reinterpret_cast<const sockaddr*>(&a), sizeof(a));
 }
 
-std::string Liveness::Self() const {
-  return "rank " + std::to_string(options_.rank) + " (this rank) is in " + activity_();
-}
-
-void Liveness::Declare(const std::string& report, bool publish) {
+void Liveness::Declare(const std::string& report, bool broadcast) {
   if (declared_.exchange(true)) return;
-  if (publish) {
-    try {
-      store_->SetString(kVerdictKey, report);
-    } catch (const std::exception&) {
-      // The others will find out on their own: the store, or the rank, is gone.
+  cv_.notify_all();
+  if (broadcast) {
+    for (int r = 0; r < options_.world_size; ++r) {
+      if (r != options_.rank) SendTo(r, "V " + report);
     }
   }
-  on_failure_(report + "; " + Self());
+  on_failure_(report + "; rank " + std::to_string(options_.rank) + " (this rank) is in " +
+              activity_());
 }
 
-void Liveness::BeatLoop() {
+void Liveness::Loop() {
+  auto next_beat = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_ && !declared_) {
     lock.unlock();
-    try {
+    const auto now = Clock::now();
+    if (now >= next_beat) {
       Beat();
-    } catch (const std::exception& e) {
-      Declare("rank 0 is gone: the rendezvous store it serves at " + options_.store_address +
-                  " failed (" + e.what() + ")" + Rank0Last(),
-              false);
+      next_beat = now + options_.interval;
+    }
+    pollfd p{fd_, POLLIN, 0};
+    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next_beat - now);
+    if (::poll(&p, 1, static_cast<int>(std::max<int64_t>(1, wait.count()))) > 0) Receive();
+    const auto after = Clock::now();
+    for (int r : watched_) {
+      const Peer& peer = peers_[static_cast<size_t>(r)];
+      if (declared_ || peer.left || after - peer.heard <= options_.limit) continue;
+      Declare("rank " + std::to_string(r) + " stopped answering: no heartbeat for " +
+                  Seconds(after - peer.heard) + " (limit " + Seconds(options_.limit) +
+                  "; a hung or stopped process, or a lost node); its last heartbeat said it was "
+                  "in " +
+                  peer.activity + " (noticed by rank " + std::to_string(options_.rank) + ")",
+              true);
     }
     lock.lock();
-    cv_.wait_for(lock, options_.interval, [&] { return stop_; });
   }
 }
 
 void Liveness::Beat() {
-  store_->SetString(BeatKey(options_.rank), std::to_string(++beats_) + "|" + activity_());
-  last_ok_ns_ = Now();
-  if (auto verdict = store_->TryGet(kVerdictKey)) {
-    Declare(*verdict, false);
-    return;
-  }
-  last_ok_ns_ = Now();
-  for (size_t i = 0; i < watched_.size(); ++i) {
-    Peer& peer = peers_[i];
-    if (peer.value == kLeft) continue;
-    std::string value = store_->TryGet(BeatKey(watched_[i])).value_or("");
-    last_ok_ns_ = Now();
-    if (watched_[i] == 0) {
-      std::lock_guard<std::mutex> lock(mu_);
-      rank0_beat_ = value;
-    }
-    const auto now = Clock::now();
-    if (value != peer.value) {
-      peer.value = std::move(value);
-      peer.changed = now;
-    } else if (now - peer.changed > options_.limit) {
-      const int lost = watched_[i];
-      Declare("rank " + std::to_string(lost) + " stopped answering: no heartbeat for " +
-                  Seconds(now - peer.changed) + " (limit " + Seconds(options_.limit) +
-                  "; a hung or stopped process, or a lost node); its last heartbeat said it was "
-                  "in " +
-                  ActivityOf(peer.value) + (last_known_ ? last_known_(lost) : "") +
-                  " (noticed by rank " + std::to_string(options_.rank) + ")",
-              true);
-      return;
-    }
-  }
+  const std::string beat =
+      "B " + std::to_string(options_.rank) + " " + std::to_string(++beats_) + " " + activity_();
+  for (int w : watchers_) SendTo(w, beat);
 }
 
-void Liveness::GuardLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stop_ && !declared_) {
-    cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stop_; });
-    const Clock::duration silent = Clock::duration(Now() - last_ok_ns_.load());
-    if (stop_ || silent <= options_.limit) continue;
-    lock.unlock();
-    Declare("rank 0 is unreachable: the rendezvous store it serves at " + options_.store_address +
-                " has not answered for " + Seconds(silent) + " (limit " + Seconds(options_.limit) +
-                "; a hung or stopped rank 0, or a lost node or network)" + Rank0Last(),
-            false);
-    lock.lock();
+void Liveness::Receive() {
+  char buffer[kMaxDatagram];
+  for (;;) {
+    const ssize_t n = ::recv(fd_, buffer, sizeof buffer, MSG_DONTWAIT);
+    if (n <= 2) return;
+    const std::string text(buffer, static_cast<size_t>(n));
+    if (text[0] == 'V') {
+      Declare(text.substr(2), false);
+      return;
+    }
+    // "B <rank> <counter> <activity>" or "L <rank>".
+    const size_t rank_end = text.find(' ', 2);
+    int rank = -1;
+    try {
+      rank = std::stoi(text.substr(2, rank_end - 2));
+    } catch (const std::exception&) {
+      continue;  // not ours
+    }
+    if (rank < 0 || rank >= options_.world_size) continue;
+    Peer& peer = peers_[static_cast<size_t>(rank)];
+    if (text[0] == 'L') {
+      peer.left = true;
+    } else if (text[0] == 'B' && rank_end != std::string::npos) {
+      peer.heard = Clock::now();
+      const size_t counter_end = text.find(' ', rank_end + 1);
+      if (counter_end != std::string::npos) peer.activity = text.substr(counter_end + 1);
+    }
   }
 }
 

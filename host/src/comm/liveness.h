@@ -1,30 +1,33 @@
-// Failure detection that does not wait for a collective's timeout: heartbeats through the
-// rendezvous store.
+// Failure detection that does not wait for a collective's timeout: heartbeats over UDP.
 //
 // A killed rank is noticed at once by its peers' Gloo connections (the kernel resets them),
-// but a hung rank (SIGSTOP, a deadlock, a GPU hang) or a lost node resets nothing, and a peer
-// waiting for it in a collective would wait out the whole collective timeout (300 s by
-// default). Here every rank runs a heartbeat thread on its own store connection: each
-// `interval` it writes "<beat counter>|<what this rank is doing>" to cai/beat/<rank>, checks
-// cai/verdict, and reads the beats of the peers it watches. A peer whose counter has not moved
-// for `limit` is declared lost; so is rank 0 when the store it serves stops answering for
-// `limit` (a guard thread watches the heartbeat thread's last successful round trip, so a
-// store that hangs rather than refuses is caught too). A stopped process stops its heartbeat
-// thread with it, which is what makes a hang visible; a long collective on a healthy group
-// keeps beating and never trips it.
+// but a hung rank (SIGSTOP, a deadlock, a stuck device) or a lost node resets nothing, and a
+// peer waiting for it in a collective would wait out the whole collective timeout (300 s by
+// default). Here every rank runs a heartbeat thread with a UDP socket of its own, bound to the
+// collectives' address (its port published through the rendezvous store at start): each
+// `interval` it sends "<counter> <what this rank is doing>" to the ranks that watch it, and it
+// reads the beats of the ranks it watches. A watched rank not heard from for `limit` is
+// declared lost. A stopped process stops its heartbeat thread with it, which is what makes a
+// hang visible; a long collective on a healthy group keeps beating and never trips it.
 //
-// Who watches whom: rank r watches its kWatched successors r+1, r+2, ... (mod the world), so
-// the store sees O(world) requests a second, not O(world²). Whatever set of ranks fails, some
-// live rank's successor is among them, so some live rank notices; it publishes its report
-// under cai/verdict, which every rank reads each interval. Every live rank thus learns within
-// limit + 2 × interval of the last beat (7 s with the defaults).
+// Why datagrams and not the rendezvous store: c10d's TCPStore server reads each request with
+// blocking reads, so a client stopped halfway through writing one (a SIGSTOPped rank's
+// progress or heartbeat writer) hangs the store for everyone. A datagram arrives whole or not
+// at all, and nothing here waits on another process.
+//
+// Who watches whom: every rank watches rank 0 (which also serves the store) and its two
+// successors r+1, r+2 (mod the world), so a rank sends at most 3 beats per interval (rank 0:
+// one to every rank). Whatever set of ranks fails, some live rank's successor is among them,
+// so some live rank notices; it sends its report to every rank, and every live rank thus
+// learns within limit + interval of the last beat (5.5 s with the defaults).
 #pragma once
+
+#include <netinet/in.h>
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
-#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -37,83 +40,72 @@ class Store;
 struct LivenessOptions {
   int rank = 0;
   int world_size = 1;
-  std::chrono::milliseconds interval{1000};  // between heartbeats
-  std::chrono::milliseconds limit{5000};     // a peer silent this long is lost
-  std::string store_address;                 // "host:port" of rank 0's store, for messages
+  std::chrono::milliseconds interval{500};  // between heartbeats
+  std::chrono::milliseconds limit{5000};    // a watched rank silent this long is lost
+  std::string bind_address;                 // this rank's IPv4 address, as the collectives'
 };
 
 // Thread-safe.
 class Liveness {
  public:
-  // What this rank is doing now, e.g. "all_reduce #783 on group 'world'". Called on the
-  // heartbeat thread; must not block.
+  // What this rank is doing now, e.g. "all_reduce #783 on group 'world' for 0.2 s". Called on
+  // the heartbeat thread; must not block.
   using Activity = std::function<std::string()>;
-  // Called once, on a monitor thread, with the report naming the lost rank, what it was doing
-  // and what this rank is doing. May end the process.
+  // Called once, on the heartbeat thread (or the thread calling CheckVerdict), with the report
+  // naming the lost rank, what it was doing and what this rank is doing. May end the process.
   using OnFailure = std::function<void(const std::string& report)>;
-  // Anything fresher than the heartbeat (beats are up to `interval` old) known of what rank
-  // `rank` was doing, as a phrase to append ("; the last collective it started was #5 ..."),
-  // or "". Called on the heartbeat thread when the rank is declared lost.
-  using LastKnown = std::function<std::string(int rank)>;
 
-  // Publishes this rank's first beat. Call before the world's rendezvous completes, so that
-  // every rank's beat key exists once any rank starts watching.
-  static void Announce(Store& store, int rank);
-
-  // Starts the threads. `store` is this monitor's own connection.
-  Liveness(std::unique_ptr<Store> store, const LivenessOptions& options, Activity activity,
-           OnFailure on_failure, LastKnown last_known);
-  // Stops the threads without announcing anything (Leave first for a clean exit).
+  // Opens this rank's heartbeat socket and publishes its address in `store`. Every rank
+  // constructs one before the world's rendezvous completes, so that Start finds every address.
+  Liveness(Store& store, const LivenessOptions& options, Activity activity, OnFailure on_failure);
+  // Stops the thread without telling anyone (Leave first for a clean exit).
   ~Liveness();
   Liveness(const Liveness&) = delete;
   Liveness& operator=(const Liveness&) = delete;
 
-  // A clean exit: marks this rank's beat "left", so peers stop watching it, and stops the
-  // threads. Rank 0, which serves the store, then waits up to limit + interval for every
-  // other rank to have left, so that no rank still watching takes the store's end for its
-  // death.
+  // After the world's rendezvous: reads the peers' addresses from `store` and starts beating.
+  void Start(Store& store);
+
+  // A clean exit: stops the thread and tells the ranks watching this one that it left, so a
+  // rank that finishes later does not take it for lost.
   void Leave();
 
-  // For a rank whose connection to a peer just closed: true when a failure has been declared
-  // (here, or by a rank that published its verdict: a rank that aborts publishes first, so
-  // its peers name the rank that was lost rather than the one that hung up on them); the
-  // verdict is then declared here too. False when the peer closed on its own (it exited or was
-  // killed). May block while the store does not answer.
+  // For a rank whose connection to a peer just closed: waits up to one interval for a verdict
+  // (a rank that aborts for a lost rank sends its report before it closes its connections, so
+  // its peers name the rank that was lost rather than the one that hung up on them). True when
+  // a failure was declared, here or (then declared here too) by another rank; false when the
+  // peer closed on its own (it exited or was killed).
   bool CheckVerdict();
 
  private:
-  void BeatLoop();
-  void GuardLoop();
+  void Loop();
+  void Receive();
   void Beat();
-  // Reports once: publishes `report` under cai/verdict unless `publish` is false (it came
-  // from there) and calls on_failure_.
-  void Declare(const std::string& report, bool publish);
-  std::string Self() const;
-  // "; its last heartbeat said it was in ..." for rank 0, or "" before its first beat.
-  std::string Rank0Last();
+  void SendTo(int rank, const std::string& message);
+  // Reports once: sends `report` to every rank when `broadcast`, then calls on_failure_.
+  void Declare(const std::string& report, bool broadcast);
 
-  std::unique_ptr<Store> store_;
   const LivenessOptions options_;
   const Activity activity_;
   const OnFailure on_failure_;
-  const LastKnown last_known_;
-  std::vector<int> watched_;
+  int fd_ = -1;
+  std::vector<sockaddr_in> addresses_;  // by rank
+  std::vector<int> watched_;            // ranks whose beats this rank checks
+  std::vector<int> watchers_;           // ranks this rank sends its beats to
 
   struct Peer {
-    std::string value;  // the last beat read
-    std::chrono::steady_clock::time_point changed;
+    std::string activity = "nothing reported yet";
+    std::chrono::steady_clock::time_point heard;
+    bool left = false;
   };
-  std::vector<Peer> peers_;  // by position in watched_; heartbeat thread only
+  std::vector<Peer> peers_;  // by rank; heartbeat thread only
   uint64_t beats_ = 0;       // heartbeat thread only
 
-  std::atomic<int64_t> last_ok_ns_{0};  // steady_clock of the last store round trip that answered
   std::atomic<bool> declared_{false};
   std::mutex mu_;
   std::condition_variable cv_;
-  bool stop_ = false;       // guarded by mu_
-  std::string rank0_beat_;  // rank 0's last beat; guarded by mu_
-  std::thread beat_thread_;
-  std::thread guard_thread_;
+  bool stop_ = false;  // guarded by mu_
+  std::thread thread_;
 };
 
 }  // namespace cai::comm

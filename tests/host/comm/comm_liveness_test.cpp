@@ -80,14 +80,13 @@ void StoppedRankIsNamedWithin10s(int world, int victim) {
       Init(ctx, milliseconds(5000));
       HostTensor<float> x(1000, kF32);
       AllReduce(x);
-      // The victim beats (every second) after the all-reduce and the others read that beat
-      // (every second), then it stops.
+      // The victim beats (twice a second) after the all-reduce, then stops.
       if (ctx.rank == victim) {
-        std::this_thread::sleep_for(milliseconds(2500));
+        std::this_thread::sleep_for(milliseconds(1500));
         raise(SIGSTOP);
         return;
       }
-      std::this_thread::sleep_for(milliseconds(2700));
+      std::this_thread::sleep_for(milliseconds(1700));
       const auto start = Clock::now();
       Outcome o;
       AllReduce(x, &o);
@@ -99,11 +98,7 @@ void StoppedRankIsNamedWithin10s(int world, int victim) {
                 std::string::npos)
           << o.message;
       const std::string v = "rank " + std::to_string(victim);
-      if (victim == 0) {
-        EXPECT_NE(o.message.find("rank 0 is unreachable"), std::string::npos) << o.message;
-      } else {
-        EXPECT_NE(o.message.find(v + " stopped answering"), std::string::npos) << o.message;
-      }
+      EXPECT_NE(o.message.find(v + " stopped answering"), std::string::npos) << o.message;
       EXPECT_NE(o.message.find("said it was in no collective (computing or idle; last "
                                "finished: all_reduce #1 on group 'world')"),
                 std::string::npos)
@@ -128,7 +123,7 @@ TEST(CommLiveness, Comm_ThreeRanks_StoppedRank_OthersFailWithin10sNamingItAndIts
   StoppedRankIsNamedWithin10s(3, 1);
 }
 
-TEST(CommLiveness, Comm_ThreeRanks_StoppedRank0_OthersFailWithin10sNamingTheStoreHost) {
+TEST(CommLiveness, Comm_ThreeRanks_StoppedRank0_OthersFailWithin10sNamingIt) {
   StoppedRankIsNamedWithin10s(3, 0);
 }
 

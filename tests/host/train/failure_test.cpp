@@ -11,7 +11,7 @@ namespace {
 namespace fs = std::filesystem;
 using std::chrono::seconds;
 
-enum class Launcher { kTorchrun, kSlurm, kOpenMpi };
+enum class Launcher { kTorchrun, kSlurm, kOpenMpi, kMpich };
 
 // The variables `launcher` gives rank `rank` of `world` (the master is this machine).
 std::vector<std::string> LauncherVars(Launcher launcher, int rank, int world, int port) {
@@ -27,6 +27,9 @@ std::vector<std::string> LauncherVars(Launcher launcher, int rank, int world, in
     case Launcher::kOpenMpi:
       return {"OMPI_COMM_WORLD_RANK=" + r, "OMPI_COMM_WORLD_SIZE=" + w,
               "OMPI_COMM_WORLD_LOCAL_RANK=" + r, "MASTER_ADDR=127.0.0.1", master};
+    case Launcher::kMpich:
+      return {"PMI_RANK=" + r, "PMI_SIZE=" + w, "MPI_LOCALRANKID=" + r, "MASTER_ADDR=127.0.0.1",
+              master};
   }
   return {};
 }
@@ -64,6 +67,10 @@ TEST(Failure, Failure_Slurm_StoppedRank0_OthersExitWithin10sNamingIt) {
 
 TEST(Failure, Failure_OpenMpi_KilledRank_OthersExitWithin10sNamingIt) {
   SignalOneRank("openmpi_kill", Launcher::kOpenMpi, /*victim=*/2, SIGKILL);
+}
+
+TEST(Failure, Failure_Mpich_StoppedRank2_OthersExitWithin10sNamingIt) {
+  SignalOneRank("mpich_stop", Launcher::kMpich, /*victim=*/2, SIGSTOP);
 }
 
 TEST(Failure, Failure_Nproc_StoppedRank_OthersExitWithin10sAndLauncherEnds) {

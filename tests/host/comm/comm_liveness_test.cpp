@@ -149,6 +149,8 @@ TEST(CommLiveness, Comm_ThreeRanks_KilledRank_PeersInCollectiveFailAtOnceNamingI
                                "last collective it started was #1"),
                 std::string::npos)
           << o.message;
+      // Rank 0 serves the store the other reads rank 2's progress from: it stays a moment.
+      if (ctx.rank == 0) std::this_thread::sleep_for(milliseconds(2000));
     }));
   }
   for (int rank = 0; rank < 2; ++rank) ExpectExitsCleanly(pids[rank], rank, seconds(40));

@@ -16,8 +16,8 @@
 // at all, and nothing here waits on another process.
 //
 // Who watches whom: every rank watches rank 0 (which also serves the store) and its two
-// successors r+1, r+2 (mod the world), so a rank sends at most 3 beats per interval (rank 0:
-// one to every rank). Whatever set of ranks fails, some live rank's successor is among them,
+// successors r+1, r+2 (mod the world), so a rank sends two beats per interval (rank 0: one
+// to every rank). Whatever set of ranks fails, some live rank's successor is among them,
 // so some live rank notices; it sends its report to every rank, and every live rank thus
 // learns within limit + interval of the last beat (5.5 s with the defaults).
 #pragma once

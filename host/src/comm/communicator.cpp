@@ -35,7 +35,11 @@
 // with the caller's compute) and a point-to-point waiter, so that a posted send does not hold
 // up the receive queued after it (Gloo moves the data only once both sides have posted). A
 // reporter thread publishes, per group, the last collective each rank started; a rank whose
-// collective times out reads it back to name the ranks that never arrived.
+// collective times out reads it back to name the ranks that never arrived. The liveness
+// monitor's thread (comm/liveness.h) sends heartbeats and watches the peers'.
+//
+// The call check runs on a second Gloo context per group (check_context), so that its bytes
+// never mix with the wire counts of the group's own connections.
 //
 // Byte counters: bytes handed to each operation are counted when it is issued, from its
 // arguments (the ABI's counters); bytes on the wire are measured from the kernel's TCP counters
@@ -48,6 +52,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -56,6 +61,7 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -66,6 +72,7 @@
 #include <vector>
 
 #include "comm/gloo_ops.h"
+#include "comm/liveness.h"
 #include "comm/store.h"
 #include "comm/tcp_bytes_sent.h"
 #include "core/status.h"
@@ -129,6 +136,7 @@ constexpr const char* kGlooBackendInfo =
 struct WorkState {
   OpSpec spec;
   std::string description;  // "all_reduce #3 on group 'world' (rank 0 of 3)"
+  std::string call;         // collectives only: "all_reduce #3 on group 'world'"
   uint64_t seq = 0;         // collectives only: 1-based position in the group's order
 
   std::mutex mu;
@@ -161,6 +169,9 @@ struct cai_comm_group {
   int size = 0;
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<gloo::Context> context;
+  std::shared_ptr<gloo::Context> check_context;  // the call check's; null when it is off
+  // What Gloo's errors may call each rank's connections (comm::AddPeerEndpoints).
+  std::vector<std::vector<std::string>> peer_endpoints;
   Counters counters;
   // Wire accounting (cai::WireCounters); guarded by wire_mu. `sent` is null where the kernel
   // cannot tell.
@@ -182,6 +193,9 @@ struct cai_comm_group {
   bool stopping = false;
   uint64_t issued = 0;  // collectives issued so far
   std::string broken;   // why the group cannot be used any more; empty while healthy
+  std::string running;  // the collective the worker is in (WorkState::call), or empty
+  std::chrono::steady_clock::time_point running_since;
+  std::string last_done;  // the last collective the worker finished
   std::thread worker;
   std::thread p2p_waiter;
 
@@ -224,6 +238,17 @@ class ProgressBoard {
       dirty_[Key(group_id, group_rank)] = seq;
     }
     cv_.notify_one();
+  }
+
+  // The last collective `group_rank` of `group` started (0: none), or nullopt when the store
+  // cannot be read.
+  std::optional<uint64_t> LastStarted(const cai_comm_group& group, int group_rank) {
+    try {
+      const auto value = store_->TryGet(Key(group.id, group_rank));
+      return value ? std::stoull(*value) : 0;
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
   }
 
   // For each peer of `group` that has not started collective `seq`, a phrase naming it;
@@ -275,13 +300,58 @@ class ProgressBoard {
   std::thread thread_;
 };
 
-std::string ResolveBindAddress(const CommOptions& options) {
-  if (!options.bind_addr.empty()) return options.bind_addr;
+// The IPv4 address of network interface `name`; `source` says where the name came from.
+std::string InterfaceAddress(const std::string& name, const std::string& source) {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) {
+    throw Error(CAI_UNAVAILABLE, "cannot list the network interfaces (getifaddrs) to find '" +
+                                     name + "' (" + source + ")");
+  }
+  std::string found;
+  std::string available;
+  for (ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, text, sizeof(text));
+    if (name == a->ifa_name && found.empty()) found = text;
+    available += (available.empty() ? "" : ", ") + std::string(a->ifa_name) + " " + text;
+  }
+  freeifaddrs(list);
+  if (found.empty()) {
+    throw Error(CAI_INVALID_ARGUMENT,
+                "network interface '" + name + "' (" + source +
+                    ") does not exist or has no IPv4 address; interfaces here: " +
+                    (available.empty() ? "none" : available) +
+                    ". Name one of them, or unset it to bind to the route to master_addr");
+  }
+  return found;
+}
+
+// The local address the collectives bind to, and why ("interface eth1 from CAI_SOCKET_IFNAME").
+struct BindChoice {
+  std::string address;
+  std::string why;
+};
+
+BindChoice ResolveBindAddress(const CommOptions& options) {
+  if (!options.bind_addr.empty()) return {options.bind_addr, "given"};
+  if (!options.socket_ifname.empty()) {
+    return {InterfaceAddress(options.socket_ifname, "launch.socket_ifname"),
+            "interface " + options.socket_ifname + " from launch.socket_ifname"};
+  }
+  for (const char* var : {"CAI_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}) {
+    const char* value = std::getenv(var);
+    if (value == nullptr || *value == '\0') continue;
+    // GLOO_SOCKET_IFNAME may list several (c10d spreads connections over them): the first.
+    const std::string text = value;
+    const std::string name = text.substr(0, text.find(','));
+    return {InterfaceAddress(name, var), "interface " + name + " from " + var};
+  }
   in_addr master{};
   if (options.master_addr == "localhost" ||
       (inet_pton(AF_INET, options.master_addr.c_str(), &master) == 1 &&
        (ntohl(master.s_addr) >> 24) == 127)) {
-    return "127.0.0.1";
+    return {"127.0.0.1", "loopback, as master_addr is"};
   }
   // The address this host would use to reach the master: connect() on a UDP socket picks the
   // route without sending anything.
@@ -303,7 +373,7 @@ std::string ResolveBindAddress(const CommOptions& options) {
                 "cannot choose a local address to reach master_addr '" + options.master_addr +
                     "'; give an IPv4 master address or set the bind address explicitly");
   }
-  return text;
+  return {text, "the route to master_addr " + options.master_addr};
 }
 
 DType ToDType(const cai_dtype& d, const std::string& where) {
@@ -390,14 +460,35 @@ class Communicator::Impl {
     progress_ = std::make_unique<ProgressBoard>(std::make_unique<comm::Store>(
         options.master_addr, options.master_port, false, options.timeout));
     gloo::transport::tcp::attr attr;
-    attr.hostname = ResolveBindAddress(options);
+    const BindChoice bind = ResolveBindAddress(options);
+    attr.hostname = bind.address;
+    bind_description_ = bind.address + " (" + bind.why + ")";
     device_ = gloo::transport::tcp::CreateDevice(attr);
+    if (options.heartbeat_timeout.count() > 0 && options.world_size > 1) {
+      comm::LivenessOptions lo;
+      lo.rank = options.rank;
+      lo.world_size = options.world_size;
+      lo.limit = options.heartbeat_timeout;
+      // Ten beats within the limit: a peer is declared lost after missing many, never one.
+      lo.interval = std::min(std::chrono::milliseconds(500), options.heartbeat_timeout / 10);
+      lo.bind_address = bind.address;
+      // Before the world's rendezvous, which then guarantees every rank's address is published.
+      liveness_ = std::make_unique<comm::Liveness>(
+          *store_, lo, [this] { return Activity(); },
+          [this](const std::string& report) {
+            Abort(report);
+            if (options_.on_peer_failure) options_.on_peer_failure(report);
+          });
+    }
     std::vector<int32_t> all(options.world_size);
     for (int i = 0; i < options.world_size; ++i) all[i] = i;
     world_ = CreateGroup(all, "world");
+    if (liveness_) liveness_->Start(*store_);
   }
 
   ~Impl() {
+    // First: the ranks watching this one stop, before its connections close.
+    if (liveness_) liveness_->Leave();
     std::vector<cai_comm_group*> groups;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -407,6 +498,7 @@ class Communicator::Impl {
   }
 
   const CommOptions& options() const { return options_; }
+  const std::string& bind_description() const { return bind_description_; }
   cai_comm_group* world() const { return world_; }
 
   cai_comm_group* Group(const cai_comm_group* group) const {
@@ -571,7 +663,8 @@ class Communicator::Impl {
                             ") on group '" + g->name + "'";
       } else {
         work->seq = ++g->issued;
-        work->description = op + " #" + std::to_string(work->seq) + " on group '" + g->name + "'";
+        work->call = op + " #" + std::to_string(work->seq) + " on group '" + g->name + "'";
+        work->description = work->call;
       }
       work->description += " (" + g->RankName(g->rank) + " of " + std::to_string(g->size) + ")";
       g->queue.push_back(work);
@@ -696,12 +789,22 @@ class Communicator::Impl {
     auto context = std::make_shared<gloo::rendezvous::Context>(g->rank, g->size);
     context->setTimeout(options_.timeout);
     gloo::rendezvous::PrefixStore prefix("cai/gloo/" + std::to_string(id), *store_);
+    std::shared_ptr<gloo::rendezvous::Context> check;
     try {
       context->connectFullMesh(prefix, device_);
+      if (options_.check_calls && g->size > 1) {
+        check = std::make_shared<gloo::rendezvous::Context>(g->rank, g->size);
+        check->setTimeout(options_.timeout);
+        gloo::rendezvous::PrefixStore check_prefix("cai/check/" + std::to_string(id), *store_);
+        check->connectFullMesh(check_prefix, device_);
+      }
     } catch (const gloo::Exception& e) {
       throw Error(CAI_UNAVAILABLE, "connecting the ranks of group '" + g->name + "' failed on " +
                                        g->RankName(g->rank) + ": " + e.what());
     }
+    g->check_context = std::move(check);
+    comm::AddPeerEndpoints(*context, g->peer_endpoints);
+    if (g->check_context) comm::AddPeerEndpoints(*g->check_context, g->peer_endpoints);
     g->sent = comm::TcpBytesSent::Open(*context);
     if (g->sent) g->wire_seen = g->sent->Read();  // the rendezvous's own bytes are no op's
     g->context = std::move(context);
@@ -833,14 +936,34 @@ class Communicator::Impl {
       }
       progress_->Started(g.id, g.rank, w->seq);
       const auto start = std::chrono::steady_clock::now();
+      {
+        std::lock_guard<std::mutex> lock(g.mu);
+        g.running = w->call;
+        g.running_since = start;
+      }
       WireBegin(g);
       try {
+        // On connections of its own: its bytes are not on the ones WireEnd reads.
+        if (g.check_context) CheckSameCall(g, *w);
         comm::RunCollective(*g.context, spec);
         WireEnd(g, spec.op);
+        EndRunning(g, *w);
         w->Finish(CAI_OK, {});
+      } catch (const Error& e) {  // the call check's verdict
+        WireEnd(g, spec.op);
+        EndRunning(g, *w);
+        Fail(g, *w, e.code(), e.what());
       } catch (const std::exception& e) {
         WireEnd(g, spec.op);
         const cai_status_code code = Classify(e.what());
+        // A peer that aborted for a lost rank closed its connections after publishing why:
+        // report that, while this rank is still in the collective.
+        if (code == CAI_UNAVAILABLE && liveness_) liveness_->CheckVerdict();
+        EndRunning(g, *w);
+        if (std::string aborted = Aborted(); !aborted.empty()) {
+          Fail(g, *w, CAI_UNAVAILABLE, aborted);
+          continue;
+        }
         std::string message = e.what();
         if (code == CAI_DEADLINE_EXCEEDED) {
           const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -857,9 +980,132 @@ class Communicator::Impl {
                      : named.empty() ? "; every rank started it, so a peer stalled inside it"
                                      : "; " + named;
           message += " [gloo: " + std::string(e.what()) + "]";
+        } else if (code == CAI_UNAVAILABLE) {
+          message += ClosedBy(g, e.what());
         }
         Fail(g, *w, code, message);
       }
+    }
+  }
+
+  // For each peer whose connection Gloo's error `what` names: "; rank 2 closed its connection
+  // (it exited or was killed); the last collective it started was #5".
+  std::string ClosedBy(const cai_comm_group& g, const std::string& what) {
+    std::string out;
+    for (int r = 0; r < g.size; ++r) {
+      const auto& names = g.peer_endpoints[static_cast<size_t>(r)];
+      const bool named = std::any_of(names.begin(), names.end(), [&](const std::string& name) {
+        return what.find(name + ":") != std::string::npos ||
+               what.find(name + " ") != std::string::npos || what.ends_with(name);
+      });
+      if (!named) continue;
+      out += "; " + g.RankName(r) + " closed its connection (it exited or was killed)";
+      if (const auto last = progress_->LastStarted(g, r)) {
+        out += *last == 0 ? "; it had not started any collective"
+                          : "; the last collective it started was #" + std::to_string(*last);
+      }
+    }
+    return out;
+  }
+
+  static void EndRunning(cai_comm_group& g, const WorkState& w) {
+    std::lock_guard<std::mutex> lock(g.mu);
+    g.running.clear();
+    g.last_done = w.call;
+  }
+
+  // The call check: every rank of the group all-gathers a fingerprint of its call on the
+  // group's check context and compares. Throws INVALID_ARGUMENT with each rank's call when
+  // they differ; every rank sees the same fingerprints, so all fail together.
+  void CheckSameCall(cai_comm_group& g, const WorkState& w) {
+    constexpr size_t kFields = 6;
+    const OpSpec& spec = w.spec;
+    const bool reduces = spec.op == CAI_COMM_ALL_REDUCE || spec.op == CAI_COMM_REDUCE_SCATTER ||
+                         spec.op == CAI_COMM_REDUCE;
+    const bool rooted = spec.op == CAI_COMM_BROADCAST || spec.op == CAI_COMM_REDUCE;
+    const bool has_data = spec.op != CAI_COMM_BARRIER;
+    const comm::DType dtype =
+        spec.output.numel > 0 || spec.input.numel == 0 ? spec.output.dtype : spec.input.dtype;
+    const std::array<int64_t, kFields> mine = {spec.op,
+                                               reduces ? spec.reduce : -1,
+                                               has_data ? static_cast<int64_t>(dtype) : -1,
+                                               static_cast<int64_t>(spec.input.numel),
+                                               static_cast<int64_t>(spec.output.numel),
+                                               rooted ? spec.root : -1};
+    std::vector<int64_t> all(kFields * static_cast<size_t>(g.size));
+    comm::AllGatherInt64(*g.check_context, mine.data(), all.data(), kFields, spec.timeout);
+    bool same = true;
+    for (size_t i = 0; i < all.size(); ++i) same = same && all[i] == mine[i % kFields];
+    if (same) return;
+    std::string calls;
+    for (int r = 0; r < g.size; ++r) {
+      const int64_t* f = all.data() + static_cast<size_t>(r) * kFields;
+      calls += "\n  " + g.RankName(r) + ": " + DescribeCall(f[0], f[1], f[2], f[3], f[4], f[5]);
+    }
+    throw Error(CAI_INVALID_ARGUMENT,
+                "ranks called different collectives as " + w.call + ":" + calls +
+                    "\nevery rank of a group must issue the same collectives in the same order, "
+                    "with the same element counts, dtype, reduce op and root (the check costs "
+                    "one small all-gather per collective; launch.check_calls = false skips it)");
+  }
+
+  // "all_reduce(sum) of 1000 float32", "all_gather of 4 float32 into 8", "broadcast from/to
+  // root 0 of 16 int64", "barrier".
+  static std::string DescribeCall(int64_t op, int64_t reduce, int64_t dtype, int64_t in,
+                                  int64_t out, int64_t root) {
+    static constexpr const char* kReduce[] = {"sum", "avg", "max", "min", "product"};
+    std::string text = CommOpName(static_cast<cai_comm_op>(op));
+    if (reduce >= 0 && reduce < 5) text += std::string("(") + kReduce[reduce] + ")";
+    if (root >= 0) text += " from/to root " + std::to_string(root);
+    if (dtype < 0) return text;
+    const char* type = comm::DTypeName(static_cast<comm::DType>(dtype));
+    if (in > 0 && out > 0 && in != out) {
+      return text + " of " + std::to_string(in) + " " + type + " into " + std::to_string(out);
+    }
+    return text + " of " + std::to_string(std::max(in, out)) + " " + type;
+  }
+
+  std::string Aborted() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return aborted_;
+  }
+
+  // What this rank's workers are doing, for the heartbeat: the collectives running (and for how
+  // long), else the last ones finished.
+  std::string Activity() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::string running;
+    std::string done;
+    const auto now = std::chrono::steady_clock::now();
+    for (cai_comm_group* g : groups_) {
+      std::lock_guard<std::mutex> group_lock(g->mu);
+      if (!g->running.empty()) {
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, " for %.1f s",
+                      std::chrono::duration<double>(now - g->running_since).count());
+        running += (running.empty() ? "" : ", ") + g->running + seconds;
+      } else if (!g->last_done.empty()) {
+        done += (done.empty() ? "" : ", ") + g->last_done;
+      }
+    }
+    if (!running.empty()) return running;
+    return done.empty() ? "no collective yet"
+                        : "no collective (computing or idle; last finished: " + done + ")";
+  }
+
+  // A peer is lost: every group is broken with `report`, and its connections are shut down so
+  // that what waits on them returns now rather than at its timeout.
+  void Abort(const std::string& report) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.empty()) return;
+    aborted_ = report;
+    for (cai_comm_group* g : groups_) {
+      {
+        std::lock_guard<std::mutex> group_lock(g->mu);
+        if (g->broken.empty()) g->broken = report;
+      }
+      if (g->context) comm::ShutdownConnections(*g->context);
+      if (g->check_context) comm::ShutdownConnections(*g->check_context);
     }
   }
 
@@ -880,6 +1126,10 @@ class Communicator::Impl {
         w->Finish(CAI_OK, {});
       } catch (const std::exception& e) {
         WirePointToPoint(g, w->spec.op);
+        if (std::string aborted = Aborted(); !aborted.empty()) {
+          Fail(g, *w, CAI_UNAVAILABLE, aborted);
+          continue;
+        }
         const cai_status_code code = Classify(e.what());
         std::string message = e.what();
         if (code == CAI_DEADLINE_EXCEEDED) {
@@ -895,12 +1145,16 @@ class Communicator::Impl {
   CommOptions options_;
   std::unique_ptr<comm::Store> store_;
   std::unique_ptr<ProgressBoard> progress_;
+  std::string aborted_;  // the report that aborted the communicator; guarded by mu_
+  std::string bind_description_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::atomic<int> next_group_id_{0};
   cai_comm_group* world_ = nullptr;
   mutable std::mutex mu_;
   std::set<cai_comm_group*> groups_;
   ::Counters totals_;
+  // Last member: destroyed first, as its threads call Activity and Abort.
+  std::unique_ptr<comm::Liveness> liveness_;
 };
 
 Communicator::Communicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -995,5 +1249,7 @@ WireCounters Communicator::WireBytes(const cai_comm_group* group) const {
 void Communicator::ResetCounters() { impl_->ResetCounters(); }
 
 const char* Communicator::BackendInfo(const cai_comm_group*) const { return kGlooBackendInfo; }
+
+const std::string& Communicator::BindAddress() const { return impl_->bind_description(); }
 
 }  // namespace cai

@@ -6,12 +6,27 @@
 // Errors are thrown as cai::Error with the ABI's status codes: INVALID_ARGUMENT for bad
 // arguments, DEADLINE_EXCEEDED for timeouts (the message names the operation, the group, this
 // rank and, where the store can tell, the rank that did not answer), UNAVAILABLE when a peer
-// went away, FAILED_PRECONDITION for a group broken by an earlier failure.
+// went away, FAILED_PRECONDITION for a group broken by an earlier failure, INVALID_ARGUMENT
+// when the ranks of a group called different collectives (the call check below).
+//
+// Failure detection (comm/liveness.h): every rank sends heartbeats over UDP; a peer that stops
+// (killed, hung, SIGSTOPped, its node lost) is noticed within heartbeat_timeout + 0.5 s,
+// whatever the collective timeout. The communicator is then aborted:
+// every group's connections are shut down, so operations in flight fail at once with
+// UNAVAILABLE and the report (which rank, what it and this rank were doing), later ones fail
+// with FAILED_PRECONDITION; then on_peer_failure, if set, is called.
+//
+// Call check (on by default, like PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL): before each Gloo
+// collective the group's ranks all-gather a fingerprint of their call (operation, reduce op,
+// dtype, element counts, root) on connections of its own, so a rank that calls a different
+// collective, shape or dtype fails every rank of the group with each rank's call listed,
+// instead of hanging or mixing buffers. It costs one small all-gather per collective.
 #pragma once
 
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -28,9 +43,21 @@ struct CommOptions {
   int master_port = 29500;
   // Default timeout of every operation and of the rendezvous itself.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
-  // Local address the collectives bind to. Empty: loopback when master_addr is a loopback
-  // address, otherwise the local address the kernel routes to master_addr from.
+  // Local address the collectives bind to. Empty: the IPv4 address of socket_ifname when one
+  // is named, else loopback when master_addr is a loopback address, otherwise the local
+  // address the kernel routes to master_addr from.
   std::string bind_addr;
+  // Network interface the collectives bind to (as GLOO_SOCKET_IFNAME). Empty: the
+  // CAI_SOCKET_IFNAME environment variable, else GLOO_SOCKET_IFNAME (its first name), else
+  // none. An interface without an IPv4 address fails Init with the interfaces there are.
+  std::string socket_ifname;
+  // A peer silent this long is lost (comm/liveness.h); zero turns failure detection off.
+  std::chrono::milliseconds heartbeat_timeout{5000};
+  // Called once, on a monitor thread, after the communicator was aborted for a lost peer,
+  // with the report; may end the process. Empty: only the abort.
+  std::function<void(const std::string& report)> on_peer_failure;
+  // Check, before each collective, that every rank of the group calls the same one.
+  bool check_calls = true;
 };
 
 // Bytes this rank's sockets actually sent for each operation, measured by the kernel (TCP_INFO)
@@ -106,6 +133,9 @@ class Communicator {
   void ResetCounters();
   // What each collective maps to on this group's backend. Static storage.
   const char* BackendInfo(const cai_comm_group* group) const;
+  // The local address the collectives bind to and why: "10.1.2.3 (interface eth1 from
+  // CAI_SOCKET_IFNAME)".
+  const std::string& BindAddress() const;
 
   class Impl;
 

@@ -1,5 +1,6 @@
 #include "comm/gloo_ops.h"
 
+#include <arpa/inet.h>
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/alltoall.h>
@@ -8,6 +9,8 @@
 #include <gloo/common/error.h>
 #include <gloo/reduce.h>
 #include <gloo/types.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <bit>
@@ -15,6 +18,8 @@
 #include <cstring>
 #include <functional>
 #include <vector>
+
+#include "comm/pair_socket.h"
 
 namespace cai::comm {
 
@@ -425,6 +430,50 @@ void WaitPointToPoint(gloo::transport::UnboundBuffer& buffer, const OpSpec& spec
     buffer.waitSend(spec.timeout);
   } else {
     buffer.waitRecv(spec.timeout);
+  }
+}
+
+void AllGatherInt64(gloo::Context& context, const int64_t* in, int64_t* out, size_t n,
+                    std::chrono::milliseconds timeout) {
+  std::shared_ptr<gloo::Context> shared(std::shared_ptr<gloo::Context>(), &context);
+  gloo::AllgatherOptions opts(shared);
+  opts.setInput<int64_t>(const_cast<int64_t*>(in), n);
+  opts.setOutput<int64_t>(out, n * static_cast<size_t>(context.size));
+  opts.setTimeout(timeout);
+  gloo::allgather(opts);
+}
+
+void ShutdownConnections(gloo::Context& context) {
+  for (int peer = 0; peer < context.size; ++peer) {
+    if (peer == context.rank) continue;
+    auto* pair = dynamic_cast<gloo::transport::tcp::Pair*>(context.getPair(peer).get());
+    if (pair != nullptr) WithPairSocket(*pair, [](int fd) { ::shutdown(fd, SHUT_RDWR); });
+  }
+}
+
+void AddPeerEndpoints(gloo::Context& context, std::vector<std::vector<std::string>>& by_rank) {
+  by_rank.resize(static_cast<size_t>(context.size));
+  for (int peer = 0; peer < context.size; ++peer) {
+    if (peer == context.rank) continue;
+    auto* pair = dynamic_cast<gloo::transport::tcp::Pair*>(context.getPair(peer).get());
+    if (pair == nullptr) continue;
+    std::vector<std::string>& names = by_rank[static_cast<size_t>(peer)];
+    names.push_back((pair->*PairSocket::kPeer).str());
+    WithPairSocket(*pair, [&](int fd) {
+      sockaddr_in address{};
+      socklen_t len = sizeof(address);
+      char ip[INET_ADDRSTRLEN] = {};
+      if (getpeername(fd, reinterpret_cast<sockaddr*>(&address), &len) != 0 ||
+          address.sin_family != AF_INET ||
+          inet_ntop(AF_INET, &address.sin_addr, ip, sizeof(ip)) == nullptr) {
+        return;
+      }
+      // Gloo prints an accepted connection's peer by its socket address; the port in either
+      // byte order, as Gloo versions differ.
+      for (const uint16_t port : {ntohs(address.sin_port), address.sin_port}) {
+        names.push_back("[" + std::string(ip) + "]:" + std::to_string(port));
+      }
+    });
   }
 }
 

@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "cai/comm.h"
 
@@ -49,5 +51,20 @@ void RunCollective(gloo::Context& context, const OpSpec& spec);
 std::unique_ptr<gloo::transport::UnboundBuffer> PostPointToPoint(gloo::Context& context,
                                                                  const OpSpec& spec);
 void WaitPointToPoint(gloo::transport::UnboundBuffer& buffer, const OpSpec& spec);
+
+// Every rank's `n` values, rank by rank, into `out` (n x context.size): the communicator's own
+// small exchanges (the check that ranks call the same collective). Throws like RunCollective.
+void AllGatherInt64(gloo::Context& context, const int64_t* in, int64_t* out, size_t n,
+                    std::chrono::milliseconds timeout);
+
+// Shuts down (shutdown(2), both ways) the context's TCP connections, so that every operation
+// waiting on them fails at once with Gloo's "connection closed" instead of at its timeout; the
+// peers see the connections close too. For aborting a communicator whose peer is lost.
+void ShutdownConnections(gloo::Context& context);
+
+// Adds to by_rank[r] (resized to the group) the names Gloo's errors may give the connection to
+// rank r ("[127.0.0.1]:41234": its listening address, or the socket's peer address), so that
+// "connection closed by peer [127.0.0.1]:41234" can say which rank that was.
+void AddPeerEndpoints(gloo::Context& context, std::vector<std::vector<std::string>>& by_rank);
 
 }  // namespace cai::comm

@@ -1,6 +1,5 @@
 #include "comm/tcp_bytes_sent.h"
 
-#include <gloo/transport/tcp/pair.h>
 #include <linux/tcp.h>  // struct tcp_info with tcpi_bytes_sent; glibc's netinet/tcp.h predates it
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -8,24 +7,13 @@
 #include <cstddef>
 #include <utility>
 
+#include "comm/pair_socket.h"
+
 namespace cai::comm {
 
 namespace {
 
 using gloo::transport::tcp::Pair;
-
-// tcp::Pair keeps its socket (fd_) and the mutex guarding it (m_) protected. A class derived
-// from Pair may name them, and &Derived::member names the base's member with type `T Pair::*`
-// ([expr.unary.op]/3, [class.protected]/1), which then reads them from any Pair. Gloo changes
-// fd_ (closing it after a failure or at teardown) only while holding m_ (pair.cc:
-// "changeState must only be called when holding lock"), so a read under m_ never sees a
-// closed or reused descriptor. The layout is that of the Gloo headers, which must match the
-// libgloo linked (as for every other Gloo type used here).
-class PairSocket : public Pair {
- public:
-  static constexpr int Pair::*kFd = &PairSocket::fd_;
-  static constexpr std::mutex Pair::*kMutex = &PairSocket::m_;
-};
 
 // The tcp_info prefix that holds tcpi_bytes_sent and tcpi_bytes_retrans (Linux 4.19+);
 // tcpi_notsent_bytes precedes them.
@@ -34,14 +22,15 @@ constexpr socklen_t kNeeded = offsetof(tcp_info, tcpi_bytes_retrans) + sizeof(__
 // The connection's bytes sent once and written-but-unsent; false when it cannot be read
 // (closed).
 bool ReadSocket(Pair& pair, uint64_t& out) {
-  std::lock_guard<std::mutex> lock(pair.*PairSocket::kMutex);
-  const int fd = pair.*PairSocket::kFd;
-  if (fd < 0) return false;
-  tcp_info info{};
-  socklen_t len = sizeof(info);
-  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0 || len < kNeeded) return false;
-  out = info.tcpi_bytes_sent - info.tcpi_bytes_retrans + info.tcpi_notsent_bytes;
-  return true;
+  bool read = false;
+  WithPairSocket(pair, [&](int fd) {
+    tcp_info info{};
+    socklen_t len = sizeof(info);
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0 || len < kNeeded) return;
+    out = info.tcpi_bytes_sent - info.tcpi_bytes_retrans + info.tcpi_notsent_bytes;
+    read = true;
+  });
+  return read;
 }
 
 }  // namespace

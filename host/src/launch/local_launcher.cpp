@@ -416,6 +416,8 @@ class Launcher {
   void StopAll() {
     stopping_ = true;
     Signal(SIGTERM);
+    // A stopped rank (SIGSTOP, a debugger's) takes its SIGTERM only once continued.
+    Signal(SIGCONT);
     kill_at_ = Clock::now() + options_.grace;
   }
 

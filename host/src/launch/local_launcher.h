@@ -13,7 +13,8 @@
 // with the ranks that hit it ("ranks 0,1: ..."), before its own summary, instead of N copies.
 //
 // If a rank exits non-zero or is killed by a signal, or the launcher gets SIGINT, SIGTERM or
-// SIGHUP, every other rank gets SIGTERM and, `grace` later, SIGKILL; the launcher returns
+// SIGHUP, every other rank gets SIGTERM (and SIGCONT, so a stopped rank takes it) and,
+// `grace` later, SIGKILL; the launcher returns
 // once all are reaped. A rank that hangs while its peer is dead is thus gone within
 // grace + 0.1 s of the death, well within the 60 s a user waits for a failed job to end.
 #pragma once

@@ -33,6 +33,10 @@ constexpr Names kOpenMpi{"openmpi",
                          "OMPI_COMM_WORLD_LOCAL_RANK",
                          nullptr,
                          "pass `-x MASTER_ADDR=<host of rank 0>` to mpirun"};
+// MPICH's and Intel MPI's Hydra (mpiexec) set PMI_RANK, PMI_SIZE and MPI_LOCALRANKID.
+constexpr Names kPmi{"mpich",    "PMI_RANK",
+                     "PMI_SIZE", "MPI_LOCALRANKID",
+                     nullptr,    "pass `-genv MASTER_ADDR <host of rank 0>` to mpiexec"};
 
 [[noreturn]] void Bad(const std::string& what) {
   throw Error(CAI_INVALID_ARGUMENT, "rank environment: " + what);
@@ -94,6 +98,8 @@ RankEnv Read(const EnvLookup& env, const Names& names) {
     out.run_id = *job + "." + env("SLURM_STEP_ID").value_or("0");
   } else if (auto job = env("OMPI_MCA_ess_base_jobid")) {
     out.run_id = *job;
+  } else if (auto job = env("PMI_KVSNAME")) {  // Hydra's job name
+    out.run_id = *job;
   } else {
     out.run_id = out.master_addr + ":" + std::to_string(out.master_port);
   }
@@ -109,7 +115,7 @@ std::optional<std::string> ProcessEnv(std::string_view name) {
 }
 
 std::optional<RankEnv> DetectRankEnv(const EnvLookup& env) {
-  for (const Names* names : {&kTorchrun, &kSlurm, &kOpenMpi}) {
+  for (const Names* names : {&kTorchrun, &kSlurm, &kOpenMpi, &kPmi}) {
     if (env(names->rank) || env(names->world_size)) return Read(env, *names);
   }
   return std::nullopt;

@@ -5,8 +5,10 @@
 //   2. SLURM (srun): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; master address from
 //      MASTER_ADDR, else SLURM_LAUNCH_NODE_IPADDR;
 //   3. Open MPI (mpirun): OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE,
-//      OMPI_COMM_WORLD_LOCAL_RANK; master address from MASTER_ADDR.
-// Under SLURM and Open MPI the port is MASTER_PORT, else kDefaultMasterPort. A job step that
+//      OMPI_COMM_WORLD_LOCAL_RANK; master address from MASTER_ADDR;
+//   4. MPICH and Intel MPI (Hydra's mpiexec): PMI_RANK, PMI_SIZE, MPI_LOCALRANKID; master
+//      address from MASTER_ADDR.
+// Under SLURM and the MPIs the port is MASTER_PORT, else kDefaultMasterPort. A job step that
 // runs `cai train --nproc N` inside an sbatch script still sees SLURM_PROCID; the CLI decides
 // that --nproc wins.
 #pragma once
@@ -27,10 +29,10 @@ struct RankEnv {
   int local_rank = 0;
   std::string master_addr;  // host name or address of rank 0
   int master_port = kDefaultMasterPort;
-  std::string launcher;  // "torchrun", "slurm" or "openmpi": where the values came from
+  std::string launcher;  // "torchrun", "slurm", "openmpi" or "mpich": where the values came from
   // The same string on every rank of one launch and different between launches (so ranks
   // agree on scratch names, e.g. a checkpoint's temporary directory): CAI_RUN_ID,
-  // TORCHELASTIC_RUN_ID, SLURM_JOB_ID.SLURM_STEP_ID, OMPI_MCA_ess_base_jobid, else
+  // TORCHELASTIC_RUN_ID, SLURM_JOB_ID.SLURM_STEP_ID, OMPI_MCA_ess_base_jobid, PMI_KVSNAME, else
   // "<master_addr>:<master_port>".
   std::string run_id;
 };

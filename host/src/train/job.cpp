@@ -138,6 +138,17 @@ const cai_config_key kLaunchKeys[] = {
            kMinMax),
     IntKey("timeout_s", "300",
            "Seconds a collective or the rendezvous may take before the job fails.", 1, 0, kMin),
+    FloatKey("heartbeat_timeout_s", "5",
+             "Seconds without a heartbeat after which a peer (a hung, stopped or killed rank, or "
+             "a lost node) is declared lost and every rank exits naming it (0 = off; detection "
+             "takes up to this plus 0.5 s, whatever timeout_s is).",
+             0, 0, kMin),
+    BoolKey("check_calls", "true",
+            "Before each collective, check that every rank calls the same one (operation, "
+            "element counts, dtype, reduce op, root) and fail naming each rank's call if not."),
+    StringKey("socket_ifname", "\"\"",
+              "Network interface the collectives bind to (\"\" = CAI_SOCKET_IFNAME, else "
+              "GLOO_SOCKET_IFNAME, else the route to master_addr)."),
     FloatKey("device_memory_gib", "0",
              "Device memory one rank may use for model states, in GiB, which `cai plan` and "
              "plugin.name = \"auto\" size strategies against (0 = this machine's memory divided "

@@ -930,7 +930,24 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
     comm.master_addr = env.master_addr;
     comm.master_port = env.master_port;
     comm.timeout = std::chrono::seconds(GetInt(*job.launch, "timeout_s"));
-    Communicator::Init(comm);
+    comm.heartbeat_timeout = std::chrono::milliseconds(
+        std::llround(1000 * GetFloat(*job.launch, "heartbeat_timeout_s")));
+    comm.check_calls = GetBool(*job.launch, "check_calls");
+    comm.socket_ifname = GetString(*job.launch, "socket_ifname");
+    comm.on_peer_failure = [](const std::string& report) {
+      // The training loop may be computing, not waiting on the communicator, for a long time:
+      // exit from here. Checkpoints are written to a temporary directory and renamed when
+      // complete, so the last complete one stays as it was.
+      Log(CAI_LOG_ERROR, "",
+          "lost a peer, stopping: " + report +
+              ". The last complete checkpoint is intact (checkpoint.resume = true continues "
+              "from it)");
+      std::_Exit(1);
+    };
+    Communicator& communicator = Communicator::Init(comm);
+    if (env.world_size > 1) {
+      Log(CAI_LOG_INFO, "", "collectives bind to " + communicator.BindAddress());
+    }
     int code = Run(options, std::move(job), env, run_dir).Execute();
     Communicator::Shutdown();
     return code;

@@ -27,35 +27,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Variables through which a launcher hands a process its rank (launch/rank_env.cpp) or the
-// host its plugins: a run must not inherit the caller's.
-bool IsInheritedLauncherVariable(std::string_view entry) {
-  static constexpr const char* kNames[] = {"RANK",
-                                           "WORLD_SIZE",
-                                           "LOCAL_RANK",
-                                           "MASTER_ADDR",
-                                           "MASTER_PORT",
-                                           "TORCHELASTIC_RUN_ID",
-                                           "SLURM_PROCID",
-                                           "SLURM_NTASKS",
-                                           "SLURM_LOCALID",
-                                           "SLURM_LAUNCH_NODE_IPADDR",
-                                           "SLURM_JOB_ID",
-                                           "SLURM_STEP_ID",
-                                           "OMPI_COMM_WORLD_RANK",
-                                           "OMPI_COMM_WORLD_SIZE",
-                                           "OMPI_COMM_WORLD_LOCAL_RANK",
-                                           "CAI_RUN_ID",
-                                           "CAI_LAUNCHER",
-                                           "CAI_PLUGIN_PATH",
-                                           "CAI_PLUGIN_FILES"};
-  const std::string_view name = entry.substr(0, entry.find('='));
-  for (const char* n : kNames) {
-    if (name == n) return true;
-  }
-  return false;
-}
-
 std::string Quoted(const std::vector<std::string>& argv) {
   std::string text;
   for (const std::string& a : argv) {
@@ -134,6 +105,39 @@ std::string Fixed(double v) {
 
 }  // namespace
 
+bool IsInheritedLauncherVariable(std::string_view entry) {
+  static constexpr const char* kNames[] = {"RANK",
+                                           "WORLD_SIZE",
+                                           "LOCAL_RANK",
+                                           "MASTER_ADDR",
+                                           "MASTER_PORT",
+                                           "TORCHELASTIC_RUN_ID",
+                                           "SLURM_PROCID",
+                                           "SLURM_NTASKS",
+                                           "SLURM_LOCALID",
+                                           "SLURM_LAUNCH_NODE_IPADDR",
+                                           "SLURM_JOB_ID",
+                                           "SLURM_STEP_ID",
+                                           "OMPI_COMM_WORLD_RANK",
+                                           "OMPI_COMM_WORLD_SIZE",
+                                           "OMPI_COMM_WORLD_LOCAL_RANK",
+                                           "PMI_RANK",
+                                           "PMI_SIZE",
+                                           "MPI_LOCALRANKID",
+                                           "PMI_KVSNAME",
+                                           "CAI_RUN_ID",
+                                           "CAI_LAUNCHER",
+                                           "CAI_PLUGIN_PATH",
+                                           "CAI_PLUGIN_FILES",
+                                           "CAI_SOCKET_IFNAME",
+                                           "GLOO_SOCKET_IFNAME"};
+  const std::string_view name = entry.substr(0, entry.find('='));
+  for (const char* n : kNames) {
+    if (name == n) return true;
+  }
+  return false;
+}
+
 TrainRun RunTrain(const TrainRequest& request) {
   const fs::path& dir = request.dir;
   if (!request.resume) {
@@ -158,9 +162,18 @@ TrainRun RunTrain(const TrainRequest& request) {
   r.command = "CAI_PLUGIN_FILES=" + request.plugin_files + " " + Quoted(argv);
   std::string note;
   r.exit_code = Spawn(argv, env, dir / request.output_name, request.timeout, note);
-  r.output = ReadFile(dir / request.output_name);
-  if (!note.empty()) r.output += "\n(" + note + ")\n";
-  std::ifstream metrics(dir / "run" / "metrics.jsonl");
+  const std::string output = ReadFile(dir / request.output_name);
+  TrainRun read = ReadRun(dir / "run");
+  read.exit_code = r.exit_code;
+  read.command = r.command;
+  read.output = output;
+  if (!note.empty()) read.output += "\n(" + note + ")\n";
+  return read;
+}
+
+TrainRun ReadRun(const fs::path& run_dir) {
+  TrainRun r;
+  std::ifstream metrics(run_dir / "metrics.jsonl");
   for (std::string line; std::getline(metrics, line);) {
     r.steps.push_back(static_cast<int64_t>(JsonNumber(line, "step")));
     r.losses.push_back(JsonNumber(line, "loss"));
@@ -169,8 +182,8 @@ TrainRun RunTrain(const TrainRequest& request) {
     r.skipped.push_back(skipped != std::string::npos && line.compare(skipped, 4, "true") == 0);
     r.eval_loss = JsonNumber(line, "eval_loss");
   }
-  r.summary = ReadFile(dir / "run" / "summary.json");
-  if (auto latest = ckpt::FindLatestCheckpoint(dir / "run" / "checkpoints")) {
+  r.summary = ReadFile(run_dir / "summary.json");
+  if (auto latest = ckpt::FindLatestCheckpoint(run_dir / "checkpoints")) {
     r.checkpoint = *latest;
   }
   return r;

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace cai::conformance {
@@ -50,6 +51,16 @@ struct TrainRun {
 // (RANK, SLURM_*, OMPI_*, ...) removed so that --nproc alone decides the ranks. Throws
 // cai::Error only when the program cannot be started.
 TrainRun RunTrain(const TrainRequest& request);
+
+// What a run directory holds (metrics.jsonl, summary.json, the latest checkpoint), for a run
+// started some other way (ranks started one by one, as a cluster's launcher would); exit_code,
+// output and command are left empty.
+TrainRun ReadRun(const std::filesystem::path& run_dir);
+
+// Whether `entry` ("NAME=value") of an environment is one through which a launcher hands a
+// process its rank (launch/rank_env.cpp), or the host its plugins or network interface: a run
+// started from a test must not inherit the caller's.
+bool IsInheritedLauncherVariable(std::string_view entry);
 
 std::string ReadFile(const std::filesystem::path& path);
 

@@ -95,6 +95,20 @@ TEST(DetectRankEnv, OpenMpiVariables_AreRead) {
   EXPECT_EQ(env->run_id, "host-a:29500");
 }
 
+TEST(DetectRankEnv, MpichAndIntelMpiVariables_AreRead) {
+  const auto env = DetectRankEnv(From({{"PMI_RANK", "1"},
+                                       {"PMI_SIZE", "4"},
+                                       {"MPI_LOCALRANKID", "1"},
+                                       {"PMI_KVSNAME", "kvs_123_0"},
+                                       {"MASTER_ADDR", "host-b"}}));
+  ASSERT_TRUE(env.has_value());
+  EXPECT_EQ(env->launcher, "mpich");
+  EXPECT_EQ(env->rank, 1);
+  EXPECT_EQ(env->world_size, 4);
+  EXPECT_EQ(env->local_rank, 1);
+  EXPECT_EQ(env->run_id, "kvs_123_0");
+}
+
 TEST(DetectRankEnv, TorchrunAndSlurmBothSet_TorchrunWins) {
   const auto env = DetectRankEnv(From({{"RANK", "1"},
                                        {"WORLD_SIZE", "2"},

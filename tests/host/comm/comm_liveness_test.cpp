@@ -1,0 +1,254 @@
+// Failure detection without the collective timeout (heartbeats), the call check, and binding
+// to a named interface.
+#include <cstdlib>
+
+#include "comm_test_util.h"
+
+namespace cai::test {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+using Clock = std::chrono::steady_clock;
+
+const cai_comm_api& Api() { return *CommApi(); }
+
+void Init(const RankContext& ctx, milliseconds heartbeat_timeout) {
+  CommOptions options;
+  options.rank = ctx.rank;
+  options.world_size = ctx.world_size;
+  options.master_port = ctx.port;
+  options.timeout = seconds(60);  // far beyond what any test waits: only the heartbeat can end it
+  options.heartbeat_timeout = heartbeat_timeout;
+  Communicator::Init(options);
+}
+
+// Forks a rank running `body`; its gtest failures become exit status 1. The rank leaves with
+// _exit and no Shutdown, as a rank whose peer is gone would.
+pid_t ForkRank(const RankContext& ctx, const std::function<void(const RankContext&)>& body) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = fork();
+  if (pid != 0) return pid;
+  int code = 0;
+  try {
+    body(ctx);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d threw: %s\n", ctx.rank, e.what());
+    code = 2;
+  }
+  if (::testing::Test::HasFailure()) code = 1;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  _exit(code);
+}
+
+// Waits up to `limit` for `pid` and expects exit status 0; kills it if it is still running.
+void ExpectExitsCleanly(pid_t pid, int rank, seconds limit) {
+  const auto deadline = Clock::now() + limit;
+  int status = 0;
+  while (waitpid(pid, &status, WNOHANG) != pid) {
+    if (Clock::now() > deadline) {
+      ADD_FAILURE() << "rank " << rank << " still running after " << limit.count() << " s";
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      return;
+    }
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "rank " << rank << " failed (status " << status << ")";
+}
+
+void AllReduce(HostTensor<float>& x, Outcome* outcome = nullptr) {
+  cai_comm_args args = Args(CAI_COMM_ALL_REDUCE, nullptr, &x.t);
+  if (outcome) {
+    *outcome = Take(Api().run(&args, nullptr));
+  } else {
+    RunOp(args);
+  }
+}
+
+// A stopped rank resets nothing: without heartbeats its peers would wait out the 60 s timeout.
+// `victim` stops itself after the first all-reduce; the others' second all-reduce must fail
+// within 10 s naming it and the collective it was last in, whether or not it serves the store.
+void StoppedRankIsNamedWithin10s(int world, int victim) {
+  const int port = FreePort();
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < world; ++rank) {
+    pids.push_back(ForkRank({rank, world, port}, [victim](const RankContext& ctx) {
+      Init(ctx, milliseconds(5000));
+      HostTensor<float> x(1000, kF32);
+      AllReduce(x);
+      // The victim beats (twice a second) after the all-reduce, then stops.
+      if (ctx.rank == victim) {
+        std::this_thread::sleep_for(milliseconds(1500));
+        raise(SIGSTOP);
+        return;
+      }
+      std::this_thread::sleep_for(milliseconds(1700));
+      const auto start = Clock::now();
+      Outcome o;
+      AllReduce(x, &o);
+      const double took = std::chrono::duration<double>(Clock::now() - start).count();
+      EXPECT_EQ(o.code, CAI_UNAVAILABLE) << o.message;
+      EXPECT_LT(took, 10.0) << o.message;
+      std::printf("rank %d: failed after %.1f s: %s\n", ctx.rank, took, o.message.c_str());
+      EXPECT_NE(o.message.find("all_reduce #2 on group 'world' (rank " + std::to_string(ctx.rank)),
+                std::string::npos)
+          << o.message;
+      const std::string v = "rank " + std::to_string(victim);
+      EXPECT_NE(o.message.find(v + " stopped answering"), std::string::npos) << o.message;
+      EXPECT_NE(o.message.find("said it was in no collective (computing or idle; last "
+                               "finished: all_reduce #1 on group 'world')"),
+                std::string::npos)
+          << o.message;
+      EXPECT_NE(o.message.find("(this rank) is in all_reduce #2 on group 'world'"),
+                std::string::npos)
+          << o.message;
+      // Aborted: what comes next fails at once.
+      Outcome next;
+      AllReduce(x, &next);
+      EXPECT_EQ(next.code, CAI_FAILED_PRECONDITION) << next.message;
+    }));
+  }
+  for (int rank = 0; rank < world; ++rank) {
+    if (rank != victim) ExpectExitsCleanly(pids[rank], rank, seconds(40));
+  }
+  kill(pids[victim], SIGKILL);
+  waitpid(pids[victim], nullptr, 0);
+}
+
+TEST(CommLiveness, Comm_ThreeRanks_StoppedRank_OthersFailWithin10sNamingItAndItsCollective) {
+  StoppedRankIsNamedWithin10s(3, 1);
+}
+
+TEST(CommLiveness, Comm_ThreeRanks_StoppedRank0_OthersFailWithin10sNamingIt) {
+  StoppedRankIsNamedWithin10s(3, 0);
+}
+
+// A killed rank resets its connections: a peer in a collective with it fails at once, naming it.
+TEST(CommLiveness, Comm_ThreeRanks_KilledRank_PeersInCollectiveFailAtOnceNamingIt) {
+  const int port = FreePort();
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < 3; ++rank) {
+    pids.push_back(ForkRank({rank, 3, port}, [](const RankContext& ctx) {
+      Init(ctx, milliseconds(5000));
+      HostTensor<float> x(1000, kF32);
+      AllReduce(x);
+      if (ctx.rank == 2) raise(SIGKILL);
+      std::this_thread::sleep_for(milliseconds(300));
+      const auto start = Clock::now();
+      Outcome o;
+      AllReduce(x, &o);
+      const double took = std::chrono::duration<double>(Clock::now() - start).count();
+      std::printf("rank %d: failed after %.1f s: %s\n", ctx.rank, took, o.message.c_str());
+      EXPECT_EQ(o.code, CAI_UNAVAILABLE) << o.message;
+      EXPECT_LT(took, 3.0) << o.message;
+      EXPECT_NE(o.message.find("rank 2 closed its connection (it exited or was killed); the "
+                               "last collective it started was #1"),
+                std::string::npos)
+          << o.message;
+      // Rank 0 serves the store the other reads rank 2's progress from: it stays a moment.
+      if (ctx.rank == 0) std::this_thread::sleep_for(milliseconds(2000));
+    }));
+  }
+  for (int rank = 0; rank < 2; ++rank) ExpectExitsCleanly(pids[rank], rank, seconds(40));
+  waitpid(pids[2], nullptr, 0);
+}
+
+TEST(CommLiveness, Comm_TwoRanks_LongCollectiveOnHealthyGroup_DoesNotTripHeartbeat) {
+  RunRanks(2, [](const RankContext& ctx) {
+    Init(ctx, milliseconds(1000));
+    HostTensor<float> x(10, kF32);
+    x.data.assign(10, 1.0f);
+    // Rank 1 arrives 4 heartbeat timeouts late; both stay alive, so nothing trips.
+    if (ctx.rank == 1) std::this_thread::sleep_for(milliseconds(4000));
+    const auto start = Clock::now();
+    AllReduce(x);
+    if (ctx.rank == 0) {
+      EXPECT_GE(Clock::now() - start, milliseconds(3500));
+    }
+    EXPECT_EQ(x.data[0], 2.0f);
+  });
+}
+
+TEST(CommLiveness, Comm_TwoRanks_DifferentCalls_FailOnEveryRankListingEachCall) {
+  RunRanks(2, [](const RankContext& ctx) {
+    Init(ctx, milliseconds(5000));
+    // Element counts differ.
+    HostTensor<float> x(ctx.rank == 0 ? 100 : 99, kF32);
+    Outcome o;
+    AllReduce(x, &o);
+    EXPECT_EQ(o.code, CAI_INVALID_ARGUMENT) << o.message;
+    EXPECT_NE(o.message.find("ranks called different collectives as all_reduce #1 on group "
+                             "'world'"),
+              std::string::npos)
+        << o.message;
+    EXPECT_NE(o.message.find("rank 0: all_reduce(sum) of 100 float32"), std::string::npos)
+        << o.message;
+    EXPECT_NE(o.message.find("rank 1: all_reduce(sum) of 99 float32"), std::string::npos)
+        << o.message;
+    EXPECT_NE(o.message.find("launch.check_calls = false"), std::string::npos) << o.message;
+  });
+  RunRanks(3, [](const RankContext& ctx) {
+    Init(ctx, milliseconds(5000));
+    // Operations and dtypes differ: an all-gather of int32 against broadcasts of float32.
+    HostTensor<float> f(6, kF32);
+    HostTensor<int32_t> in(2, kI32), out(6, kI32);
+    cai_comm_args args = ctx.rank == 2 ? Args(CAI_COMM_ALL_GATHER, &in.t, &out.t)
+                                       : Args(CAI_COMM_BROADCAST, nullptr, &f.t);
+    Outcome o = Take(Api().run(&args, nullptr));
+    EXPECT_EQ(o.code, CAI_INVALID_ARGUMENT) << o.message;
+    EXPECT_NE(o.message.find("rank 0: broadcast from/to root 0 of 6 float32"), std::string::npos)
+        << o.message;
+    EXPECT_NE(o.message.find("rank 2: all_gather of 2 int32 into 6"), std::string::npos)
+        << o.message;
+    // The group is broken for every rank alike.
+    Outcome next = Take(Api().run(&args, nullptr));
+    EXPECT_EQ(next.code, CAI_FAILED_PRECONDITION) << next.message;
+  });
+}
+
+TEST(CommLiveness, Comm_NamedInterface_BindsToItOrNamesTheMissingOne) {
+  RunRanks(2, [](const RankContext& ctx) {
+    CommOptions options;
+    options.rank = ctx.rank;
+    options.world_size = ctx.world_size;
+    options.master_port = ctx.port;
+    options.timeout = seconds(30);
+    options.socket_ifname = "lo";
+    Communicator::Init(options);
+    HostTensor<float> x(4, kF32);
+    AllReduce(x);
+  });
+  RunRanks(1, [](const RankContext& ctx) {
+    CommOptions options;
+    options.master_port = ctx.port;
+    options.timeout = seconds(30);
+    options.socket_ifname = "cai-nosuch0";
+    try {
+      Communicator::Init(options);
+      ADD_FAILURE() << "Init bound to an interface that does not exist";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), CAI_INVALID_ARGUMENT) << e.what();
+      EXPECT_NE(std::string(e.what()).find("network interface 'cai-nosuch0' "
+                                           "(launch.socket_ifname) does not exist"),
+                std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("lo 127.0.0.1"), std::string::npos) << e.what();
+    }
+    setenv("GLOO_SOCKET_IFNAME", "cai-nosuch1,lo", 1);
+    options.socket_ifname.clear();
+    try {
+      Communicator::Init(options);
+      ADD_FAILURE() << "Init bound to an interface that does not exist";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'cai-nosuch1' (GLOO_SOCKET_IFNAME)"), std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+}  // namespace
+}  // namespace cai::test

@@ -109,7 +109,7 @@ uint64_t RankFileWriter::Reserve(EntryKind kind, const std::string& name, uint64
   }
   const uint64_t offset = (end_ + kRankFileAlignment - 1) / kRankFileAlignment * kRankFileAlignment;
   end_ = offset + bytes;
-  open_.emplace();
+  open_ = Open{};
   open_->offset = offset;
   open_->bytes = bytes;
   return offset;

@@ -175,6 +175,16 @@ void SafetensorsWriter::Finish() {
 SafetensorsReader::SafetensorsReader(const std::filesystem::path& path) : path_(path) {
   fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd_ < 0) Fail(CAI_NOT_FOUND, path_, std::string("cannot open: ") + std::strerror(errno));
+  // A constructor that throws runs no destructor: close here what a malformed file left open.
+  try {
+    Load();
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+void SafetensorsReader::Load() {
   struct stat st {};
   if (::fstat(fd_, &st) != 0) Fail(CAI_DATA_LOSS, path_, "cannot stat");
   const uint64_t size = static_cast<uint64_t>(st.st_size);

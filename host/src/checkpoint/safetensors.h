@@ -84,6 +84,8 @@ class SafetensorsReader {
   void Read(const SafetensorsTensor& t, uint64_t offset, void* dst, size_t bytes) const;
 
  private:
+  void Load();  // parses and checks the header
+
   std::filesystem::path path_;
   int fd_ = -1;
   uint64_t data_start_ = 0;

@@ -11,6 +11,7 @@
 
 #include "core/json.h"
 #include "core/status.h"
+#include "util/temp_dir.h"
 
 namespace cai::ckpt {
 namespace {
@@ -21,20 +22,10 @@ constexpr cai_dtype kFp32{CAI_DTYPE_FLOAT, 32, 1};
 constexpr cai_dtype kFp16{CAI_DTYPE_FLOAT, 16, 1};
 constexpr cai_dtype kBf16{CAI_DTYPE_BFLOAT, 16, 1};
 
-class TempDir {
+// Every TempDir of this file under /tmp/cai-safetensors-XXXXXX.
+class TempDir : public cai::testing::TempDir {
  public:
-  TempDir() {
-    char pattern[] = "/tmp/cai-safetensors-XXXXXX";
-    path_ = mkdtemp(pattern);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
+  TempDir() : cai::testing::TempDir("cai-safetensors") {}
 };
 
 std::vector<char> RandomBytes(size_t n, unsigned seed) {

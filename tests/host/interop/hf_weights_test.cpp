@@ -20,6 +20,7 @@
 #include "interop/hf_layout.h"
 #include "model/model.h"
 #include "util/subprocess.h"
+#include "util/temp_dir.h"
 
 namespace cai::interop {
 namespace {
@@ -30,20 +31,10 @@ constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
 constexpr cai_dtype kF64{CAI_DTYPE_FLOAT, 64, 1};
 constexpr cai_dtype kI64{CAI_DTYPE_INT, 64, 1};
 
-class TempDir {
+// Every TempDir of this file under /tmp/cai-interop-XXXXXX.
+class TempDir : public cai::testing::TempDir {
  public:
-  TempDir() {
-    char pattern[] = "/tmp/cai-interop-XXXXXX";
-    path_ = mkdtemp(pattern);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
+  TempDir() : cai::testing::TempDir("cai-interop") {}
 };
 
 ModelConfig Gpt2(bool bias = true) {

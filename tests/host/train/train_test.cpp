@@ -19,6 +19,7 @@
 
 #include "checkpoint/rank_file.h"
 #include "util/subprocess.h"
+#include "util/temp_dir.h"
 
 namespace {
 
@@ -27,21 +28,10 @@ using cai::testing::ReadFile;
 using cai::testing::Result;
 using cai::testing::RunCommand;
 
-class TempDir {
+// Every TempDir of this file under /tmp/cai-train-XXXXXX.
+class TempDir : public cai::testing::TempDir {
  public:
-  TempDir() {
-    char pattern[] = "/tmp/cai-train-XXXXXX";
-    path_ = mkdtemp(pattern);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  std::string str() const { return path_.string(); }
-
- private:
-  fs::path path_;
+  TempDir() : cai::testing::TempDir("cai-train") {}
 };
 
 // `cai train ARGS`, with the plugin search restricted to the build tree, in `cwd` if given.

@@ -442,18 +442,10 @@ struct CheckpointReader::State : cai_checkpoint {
     return files[it->second.file].entries()[it->second.entry];
   }
 
-  void ReadTensor(const std::string& name, int64_t offset, int64_t count,
-                  const cai_tensor& dst) override {
-    if (!tensors.count(name)) {
-      if (const ShardedTensor* sharded = FindSharded(name)) {
-        return ReadSharded(name, *sharded, offset, count, dst);
-      }
-    }
-    Location at{};
-    const Entry& e = Find(tensors, name, "tensor", &at);
-    const RankFileReader& file = files[at.file];
-    int64_t numel = 1;
-    for (int64_t d : e.shape) numel *= d;
+  // The element count of a read of [offset, offset + count) (count 0: to the end) from a
+  // tensor of `numel` elements into `dst`, which must hold exactly that many.
+  int64_t CheckedRange(const std::string& name, int64_t numel, int64_t offset, int64_t count,
+                       const cai_tensor& dst) const {
     if (count == 0) count = numel - offset;
     if (offset < 0 || count < 0 || offset > numel || count > numel - offset) {
       throw Error(CAI_OUT_OF_RANGE, "elements [" + std::to_string(offset) + ", " +
@@ -467,6 +459,23 @@ struct CheckpointReader::State : cai_checkpoint {
       throw Error(CAI_INVALID_ARGUMENT, what + " holds " + std::to_string(dst_numel) +
                                             " elements but " + std::to_string(count) + " are read");
     }
+    return count;
+  }
+
+  void ReadTensor(const std::string& name, int64_t offset, int64_t count,
+                  const cai_tensor& dst) override {
+    if (!tensors.count(name)) {
+      if (const ShardedTensor* sharded = FindSharded(name)) {
+        return ReadSharded(name, *sharded, offset, count, dst);
+      }
+    }
+    Location at{};
+    const Entry& e = Find(tensors, name, "tensor", &at);
+    const RankFileReader& file = files[at.file];
+    int64_t numel = 1;
+    for (int64_t d : e.shape) numel *= d;
+    count = CheckedRange(name, numel, offset, count, dst);
+    const std::string what = "destination of '" + name + "'";
     const bool same = SameDtype(e.dtype, dst.dtype);
     if (!same && !(IsConvertibleFloat(e.dtype) && IsConvertibleFloat(dst.dtype))) {
       throw Error(CAI_INVALID_ARGUMENT, "tensor '" + name + "' is " + DtypeName(e.dtype) +
@@ -587,18 +596,7 @@ struct CheckpointReader::State : cai_checkpoint {
   // Elements [offset, offset + count) of a canonical tensor, from the shards that hold them.
   void ReadSharded(const std::string& name, const ShardedTensor& t, int64_t offset, int64_t count,
                    const cai_tensor& dst) {
-    if (count == 0) count = t.numel - offset;
-    if (offset < 0 || count < 0 || offset > t.numel || count > t.numel - offset) {
-      throw Error(CAI_OUT_OF_RANGE, "elements [" + std::to_string(offset) + ", " +
-                                        std::to_string(offset + count) + ") of tensor '" + name +
-                                        "' in " + dir.string() + ", which has " +
-                                        std::to_string(t.numel));
-    }
-    const std::string what = "destination of '" + name + "'";
-    if (CheckedNumel(dst, what) != count) {
-      throw Error(CAI_INVALID_ARGUMENT, what + " holds " + std::to_string(CheckedNumel(dst, what)) +
-                                            " elements but " + std::to_string(count) + " are read");
-    }
+    count = CheckedRange(name, t.numel, offset, count, dst);
     const size_t elem = DtypeBytes(dst.dtype);
     for (int64_t done = 0; done < count;) {
       const int64_t flat = t.offset + offset + done;

@@ -10,6 +10,7 @@
 #include "model/model.h"
 #include "train/job.h"
 #include "util/subprocess.h"
+#include "util/temp_dir.h"
 
 namespace {
 
@@ -18,20 +19,13 @@ using cai::testing::ReadFile;
 using cai::testing::Result;
 using cai::testing::RunCommand;
 
-class TempDir {
+// Paths as strings: these tests put them into command lines.
+class TempDir : public cai::testing::TempDir {
  public:
-  TempDir() {
-    char pattern[] = "/tmp/cai-interop-cli-XXXXXX";
-    path_ = mkdtemp(pattern);
+  TempDir() : cai::testing::TempDir("cai-interop-cli") {}
+  std::string operator/(const std::string& name) const {
+    return (cai::testing::TempDir::operator/(name)).string();
   }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
 };
 
 Result Cai(const std::string& args) {

@@ -1,10 +1,21 @@
 #include "comm/comm_bench.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <exception>
+#include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -46,6 +57,136 @@ double BusFactor(cai_comm_op op, int n) {
   }
 }
 
+cai_comm_args Args(cai_comm_op op, cai_reduce_op reduce, cai_tensor* in, cai_tensor* out) {
+  cai_comm_args args{};
+  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+  args.op = op;
+  args.reduce_op = reduce;
+  args.input = in;
+  args.output = out;
+  return args;
+}
+
+// The slowest rank's `seconds`: a collective takes as long as its slowest rank.
+double SlowestRank(Communicator& comm, double seconds) {
+  int64_t one = 1, stride = 1;
+  cai_tensor t{&seconds, {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_FLOAT, 64, 1}, &one, &stride, 0};
+  comm.RunSync(Args(CAI_COMM_ALL_REDUCE, CAI_REDUCE_MAX, nullptr, &t));
+  return seconds;
+}
+
+void Barrier(Communicator& comm) {
+  comm.RunSync(Args(CAI_COMM_BARRIER, CAI_REDUCE_SUM, nullptr, nullptr));
+}
+
+void Check(bool ok, const char* what) {
+  if (!ok) {
+    throw Error(CAI_INTERNAL, std::string("comm benchmark: ") + what + ": " + strerror(errno));
+  }
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) { Check(fd_ >= 0, "socket"); }
+  ~Fd() { ::close(fd_); }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// Moves `bytes` through `fd` in calls of at most 4 MiB.
+void Stream(int fd, char* data, size_t bytes, bool send) {
+  for (size_t done = 0; done < bytes;) {
+    const size_t chunk = std::min<size_t>(bytes - done, 4 << 20);
+    const ssize_t n =
+        send ? ::send(fd, data + done, chunk, MSG_NOSIGNAL) : ::recv(fd, data + done, chunk, 0);
+    if (n < 0 && errno == EINTR) continue;
+    Check(n > 0, send ? "send" : "recv");
+    done += static_cast<size_t>(n);
+  }
+}
+
+// The bus-bandwidth ceiling of the collectives on this transport. Duplex: each rank sends
+// `bytes` to the next rank on a plain TCP connection while it receives as much from the
+// previous one, which is what a ring step does on every link at once, without the reduction,
+// the framing or the synchronisation; busbw counts the bytes a rank sends, so no ring
+// collective's busbw can beat it. Simplex: only rank 0 sends (to rank 1), the ceiling of a
+// broadcast, whose receivers send nothing back. Each rank listens on the address the
+// collectives bind to (the addresses travel by all_gather). Returns the median over `reps` of
+// bytes / the slowest rank's time, in GB/s.
+double MeasureTcpRing(Communicator& comm, size_t bytes, int reps, bool duplex) {
+  const int n = comm.world_size();
+  const std::string& bind = comm.BindAddress();
+  sockaddr_in self{};
+  self.sin_family = AF_INET;
+  if (inet_pton(AF_INET, bind.substr(0, bind.find(' ')).c_str(), &self.sin_addr) != 1) {
+    throw Error(CAI_INTERNAL, "comm benchmark: the bind address '" + bind + "' is not IPv4");
+  }
+  Fd listener(::socket(AF_INET, SOCK_STREAM, 0));
+  Check(::bind(listener.get(), reinterpret_cast<sockaddr*>(&self), sizeof(self)) == 0, "bind");
+  Check(::listen(listener.get(), 1) == 0, "listen");
+  socklen_t len = sizeof(self);
+  Check(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&self), &len) == 0,
+        "getsockname");
+
+  int32_t mine[2] = {static_cast<int32_t>(self.sin_addr.s_addr),
+                     static_cast<int32_t>(self.sin_port)};
+  std::vector<int32_t> all(2 * n);
+  int64_t in_shape = 2, out_shape = 2 * n, stride = 1;
+  const cai_dtype i32{CAI_DTYPE_INT, 32, 1};
+  cai_tensor in{mine, {CAI_DEVICE_CPU, 0}, 1, i32, &in_shape, &stride, 0};
+  cai_tensor out{all.data(), {CAI_DEVICE_CPU, 0}, 1, i32, &out_shape, &stride, 0};
+  comm.RunSync(Args(CAI_COMM_ALL_GATHER, CAI_REDUCE_SUM, &in, &out));
+
+  // A connect completes against the listener's backlog, so every rank connects, then accepts.
+  const int next = (comm.rank() + 1) % n;
+  sockaddr_in peer{};
+  peer.sin_family = AF_INET;
+  peer.sin_addr.s_addr = static_cast<uint32_t>(all[2 * next]);
+  peer.sin_port = static_cast<uint16_t>(all[2 * next + 1]);
+  Fd to_next(::socket(AF_INET, SOCK_STREAM, 0));
+  Check(::connect(to_next.get(), reinterpret_cast<sockaddr*>(&peer), sizeof(peer)) == 0, "connect");
+  Fd from_prev(::accept(listener.get(), nullptr, nullptr));
+  const int on = 1;
+  for (int fd : {to_next.get(), from_prev.get()}) {
+    Check(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on)) == 0, "TCP_NODELAY");
+  }
+
+  std::vector<char> send_buf(bytes, 1), recv_buf(bytes);
+  std::vector<double> times;
+  for (int i = 0; i <= reps; ++i) {
+    Barrier(comm);
+    const auto start = std::chrono::steady_clock::now();
+    std::exception_ptr send_error;
+    const bool sends = duplex || comm.rank() == 0;
+    const bool receives = duplex || comm.rank() == 1;
+    std::thread sender([&] {
+      try {
+        if (sends) Stream(to_next.get(), send_buf.data(), bytes, true);
+      } catch (...) {
+        send_error = std::current_exception();
+      }
+    });
+    try {
+      if (receives) Stream(from_prev.get(), recv_buf.data(), bytes, false);
+    } catch (...) {
+      ::shutdown(to_next.get(), SHUT_RDWR);  // unblocks the sender
+      sender.join();
+      throw;
+    }
+    sender.join();
+    if (send_error) std::rethrow_exception(send_error);
+    const double t = SlowestRank(
+        comm, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (i > 0) times.push_back(t);  // the first run grows the socket buffers
+  }
+  std::sort(times.begin(), times.end());
+  return static_cast<double>(bytes) / times[times.size() / 2] / 1e9;
+}
+
 }  // namespace
 
 int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
@@ -60,15 +201,39 @@ int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
     }
     const int n = comm->world_size();
     const bool print = comm->rank() == 0;
-    char line[160];
+    // The transport's ceiling, measured before and after the collectives so that load drifting
+    // on a shared machine shows; the summary holds each op against the higher of the two.
+    const size_t bound_bytes = std::min<size_t>(options.max_bytes, size_t{256} << 20);
+    const int bound_reps = 5;
+    const double duplex_before =
+        n > 1 ? MeasureTcpRing(*comm, bound_bytes, bound_reps, /*duplex=*/true) : 0;
+    const double simplex_before =
+        n > 1 ? MeasureTcpRing(*comm, bound_bytes, bound_reps, /*duplex=*/false) : 0;
+    // A broadcast's receivers send nothing back; every other collective sends and receives.
+    auto bound_of = [&](cai_comm_op op, double duplex, double simplex) {
+      return op == CAI_COMM_BROADCAST ? simplex : duplex;
+    };
+    char line[200];
     if (print) {
       out << "# cai comm benchmark: " << n << " ranks, float32, sum, " << comm->BackendInfo(nullptr)
           << "\n";
-      std::snprintf(line, sizeof(line), "#%13s %12s %8s %6s %15s %12s %12s %12s\n", "size(B)",
-                    "count", "type", "redop", "op", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
+      if (n > 1) {
+        std::snprintf(line, sizeof(line),
+                      "# bound: TCP ring between the ranks, %zu B, median of %d: %.3f GB/s per "
+                      "rank when each sends and receives at once (every op but broadcast), "
+                      "%.3f GB/s one way (broadcast)\n",
+                      bound_bytes, bound_reps, duplex_before, simplex_before);
+        out << line;
+      }
+      std::snprintf(line, sizeof(line), "#%13s %12s %8s %6s %15s %12s %12s %12s %8s\n", "size(B)",
+                    "count", "type", "redop", "op", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
+                    "of bound");
       out << line;
     }
+    // Per op, the best busbw at sizes >= 64 MiB (where the bound's target applies).
+    std::vector<std::pair<cai_comm_op, double>> large;
     for (cai_comm_op op : options.ops) {
+      double best_large = 0;
       for (size_t bytes = options.min_bytes; bytes <= options.max_bytes; bytes *= options.factor) {
         // Whole-buffer element count, rounded down to a multiple of n so every op can split it.
         const size_t count = std::max<size_t>(n, bytes / sizeof(float) / n * n);
@@ -79,47 +244,52 @@ int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
         std::vector<float> out_data(big_out ? count : part, 1.0f);
         Tensor1d in(in_data);
         Tensor1d out_t(out_data);
-        cai_comm_args args{};
-        args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-        args.op = op;
-        args.reduce_op = CAI_REDUCE_SUM;
-        args.input = &in.tensor;
-        args.output = &out_t.tensor;
+        const cai_comm_args args = Args(op, CAI_REDUCE_SUM, &in.tensor, &out_t.tensor);
         const int iters = std::clamp(static_cast<int>(options.iter_bytes / (count * 4)),
                                      options.min_iters, options.max_iters);
         for (int i = 0; i < options.warmup_iters; ++i) comm->RunSync(args);
-
-        cai_comm_args barrier{};
-        barrier.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-        barrier.op = CAI_COMM_BARRIER;
-        comm->RunSync(barrier);
+        Barrier(*comm);
         const auto start = std::chrono::steady_clock::now();
         for (int i = 0; i < iters; ++i) comm->RunSync(args);
-        std::vector<double> seconds(
-            1, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
-                   iters);
-        // The slowest rank's time is the collective's time.
-        int64_t one = 1, stride = 1;
-        cai_tensor t{
-            seconds.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_FLOAT, 64, 1}, &one, &stride, 0};
-        cai_comm_args max_args{};
-        max_args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-        max_args.op = CAI_COMM_ALL_REDUCE;
-        max_args.reduce_op = CAI_REDUCE_MAX;
-        max_args.output = &t;
-        comm->RunSync(max_args);
+        const double seconds = SlowestRank(
+            *comm, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
+                       iters);
+        const double size = static_cast<double>(count * sizeof(float));
+        const double algbw = size / seconds / 1e9;
+        const double busbw = algbw * BusFactor(op, n);
+        if (count * sizeof(float) >= (size_t{64} << 20)) best_large = std::max(best_large, busbw);
         if (print) {
-          const double size = static_cast<double>(count * sizeof(float));
-          const double algbw = size / seconds[0] / 1e9;
           std::snprintf(
-              line, sizeof(line), "%14zu %12zu %8s %6s %15s %12.1f %12.3f %12.3f\n",
+              line, sizeof(line), "%14zu %12zu %8s %6s %15s %12.1f %12.3f %12.3f %7.0f%%\n",
               count * sizeof(float), count, "float",
               (op == CAI_COMM_ALL_REDUCE || op == CAI_COMM_REDUCE_SCATTER || op == CAI_COMM_REDUCE)
                   ? "sum"
                   : "none",
-              CommOpName(op), seconds[0] * 1e6, algbw, algbw * BusFactor(op, n));
+              CommOpName(op), seconds * 1e6, algbw, busbw,
+              n > 1 ? 100 * busbw / bound_of(op, duplex_before, simplex_before) : 0.0);
           out << line << std::flush;
         }
+      }
+      if (best_large > 0) large.emplace_back(op, best_large);
+    }
+    if (n > 1) {
+      const double duplex_after = MeasureTcpRing(*comm, bound_bytes, bound_reps, true);
+      const double simplex_after = MeasureTcpRing(*comm, bound_bytes, bound_reps, false);
+      const double duplex = std::max(duplex_before, duplex_after);
+      const double simplex = std::max(simplex_before, simplex_after);
+      if (print) {
+        std::snprintf(line, sizeof(line),
+                      "# bound after: %.3f GB/s duplex, %.3f GB/s one way; against the higher "
+                      "of before and after, the best busbw at >= 64 MiB is:\n",
+                      duplex_after, simplex_after);
+        out << line;
+        for (const auto& [op, busbw] : large) {
+          std::snprintf(line, sizeof(line), "#   %-15s %8.3f GB/s %5.0f%% of %.3f\n",
+                        CommOpName(op), busbw, 100 * busbw / bound_of(op, duplex, simplex),
+                        bound_of(op, duplex, simplex));
+          out << line;
+        }
+        out << std::flush;
       }
     }
     return 0;

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs every Debian 12 package cai's build and tests need, selects the OpenMP OpenBLAS for
-# LibTorch (the reference BLAS makes a GPT step >10x slower), and is safe to run again. With
-# --bench also what the benchmarks' PyTorch peers need (python3-torch). Needs root (or sudo).
-# usage: scripts/setup.sh [--bench]
+# LibTorch (the reference BLAS makes a GPT step >10x slower), and is safe to run again. The
+# tests and the benchmarks need the same packages (python3-torch for the PyTorch cross-checks
+# and peers, gnuplot for `cai report` and the benchmark plots). Needs root (or sudo).
+# usage: scripts/setup.sh
 set -euo pipefail
 
 packages=(
@@ -14,11 +15,11 @@ packages=(
   rpm lintian dpkg-dev fakeroot  # deb/rpm packaging and its test
   clang-format            # the style test
   clang libclang-rt-14-dev  # libFuzzer targets (scripts/fuzz.sh)
+  python3-torch           # PyTorch cross-checks (tests/host/interop) and bench/peers
+  gnuplot-nox             # cai report and bench/run.py's plots
 )
-if [[ ${1:-} == --bench ]]; then
-  packages+=(python3-torch)  # bench/peers: PyTorch 1.13 DDP, ZeRO and 1F1B on Gloo
-elif [[ $# -gt 0 ]]; then
-  echo "usage: scripts/setup.sh [--bench]" >&2
+if [[ $# -gt 0 ]]; then
+  echo "usage: scripts/setup.sh" >&2
   exit 2
 fi
 

@@ -63,8 +63,12 @@
 // plus one all-reduce of 8·(2 + #trainable parameters) bytes per step.
 // Per-rank memory, k optimizer slots (2 for Adam): shards (4 + 4 + 4k)·S (+ e·S for the
 // compute copy), plus while a unit runs its gathered parameters e·G·s_u and in backward its
-// gradient buffer e·G·s_u, plus the root's two buffers throughout:
-// ≤ (8 + 4k)·S + 2·e·G·(s_root + max s_u) (+ e·G·prefetch_limit·max s_u with prefetch).
+// gradient buffer e·G·s_u and the previous unit's, still in its reduce-scatter, plus the
+// root's two buffers throughout:
+// ≤ (8 + 4k)·S + e·G·(2·s_root + 3·max s_u) (+ e·G·prefetch_limit·max s_u with prefetch).
+// With async_reduce_scatter (default) the reduce-scatter of a unit's gradient runs while
+// backward goes on to the previous units; one is in flight at a time, completed when the next
+// unit's starts or at the end of backward. Without it, the 3 above is a 2.
 //
 // Checkpoints. state_dict_type = "sharded" (default): every rank of replica 0 writes its own
 // shards ("fsdp/<unit>/param.<r>", "fsdp/<unit>/state<k>.<r>") and rank 0 an index
@@ -74,9 +78,6 @@
 // group or wrapping loads. state_dict_type = "full" writes the consolidated canonical layout
 // ("model/<name>", "optim/<name>/<slot>", the single-process reference's), a unit at a time
 // gathered and written by rank 0, which every strategy loads; load reads either.
-//
-// Not implemented: asynchronous reduce-scatter (the prefetched all-gathers are what overlaps
-// compute).
 #include <algorithm>
 #include <cai/sdk.hpp>
 #include <cai/sdk/flat.hpp>
@@ -84,6 +85,7 @@
 #include <cai/sdk/step.hpp>
 #include <cmath>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <optional>
 #include <span>
@@ -169,6 +171,10 @@ class Fsdp {
             BoolKey("sync_module_states", "true",
                     "Broadcast rank 0's parameters and buffers at boost, so every rank starts "
                     "from the same weights whatever it loaded."),
+            BoolKey("async_reduce_scatter", "true",
+                    "Reduce-scatter a unit's gradient while backward goes on to the previous "
+                    "units (as PyTorch FSDP's separate stream); costs one more unit's gradient "
+                    "of memory. false: each reduction completes before backward goes on."),
             BoolKey("forward_prefetch", "false",
                     "Start the next units' all-gathers when a unit's forward begins, so they "
                     "run behind compute."),
@@ -243,6 +249,7 @@ class Fsdp {
     min_num_params_ = config.Int("min_num_params");
     sync_module_states_ = config.Bool("sync_module_states");
     forward_prefetch_ = config.Bool("forward_prefetch");
+    reduces_in_flight_ = config.Bool("async_reduce_scatter") ? 1 : 0;
     const std::string backward_prefetch = config.String("backward_prefetch");
     backward_prefetch_ = backward_prefetch == "pre"    ? Prefetch::kPre
                          : backward_prefetch == "post" ? Prefetch::kPost
@@ -384,6 +391,7 @@ class Fsdp {
       if (!no_sync_ && u.grads.get()) ReduceGrads(u);
       ReleaseParams(u);
     }
+    FinishReduces();
   }
 
   void Evaluate(const cai_micro_batch& batch) {
@@ -402,6 +410,7 @@ class Fsdp {
     for (Unit& u : units_) {
       if (u.grads.get()) ReduceGrads(u);
     }
+    FinishReduces();
     // Σ g² of the gradient shards (replica 0's only: the other replicas hold copies), fp16
     // overflow, and per member whether it got a gradient here: agreed over the world.
     cai::sdk::StepSums sums;
@@ -437,7 +446,9 @@ class Fsdp {
 
   void ZeroGrad() {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "fsdp: zero_grad before boost");
-    // Gradients accumulated under no_sync and never stepped are dropped as asked.
+    // Gradients accumulated under no_sync and never stepped are dropped as asked, and so are
+    // the reductions a failed micro-batch left behind.
+    reduces_.clear();
     for (Unit& u : units_) {
       if (!u.grads.get()) continue;
       for (const Member& m : u.members) Check(Host().model->release_grad(model_, m.param));
@@ -508,10 +519,12 @@ class Fsdp {
     const uint64_t e = args.precision == CAI_PRECISION_FP32 ? 4 : 2;
     const uint64_t shard = (static_cast<uint64_t>(args.num_params) + n - 1) / n;
     const uint64_t unit = static_cast<uint64_t>(args.largest_unit_numel);
-    // Sharded fp32 states plus, at the peak of backward, a gathered unit and its gradient.
+    // Sharded fp32 states plus, at the peak of backward, a gathered unit, its gradient and
+    // the previous unit's gradient in its reduce-scatter.
     out.master_bytes = e == 4 ? 0 : 4 * shard;
     out.param_bytes = e * shard + (n == 1 ? 0 : e * unit);
-    out.grad_bytes = 4 * shard + e * unit;
+    const bool async_reduce = !args.config || config.Bool("async_reduce_scatter");
+    out.grad_bytes = 4 * shard + e * unit + (n == 1 || !async_reduce ? 0 : e * unit);
     out.optimizer_state_bytes = 4ull * args.optimizer_state_slots * shard;
     const uint64_t total =
         out.param_bytes + out.grad_bytes + out.optimizer_state_bytes + out.master_bytes;
@@ -521,14 +534,16 @@ class Fsdp {
       out.host_bytes = 4 * shard + 4 * shard + out.optimizer_state_bytes;
       out.device_bytes = total - out.host_bytes + (e == 4 ? e * shard : 0);
       out.formula =
-          "device eΨ/G + 2·e·unit (compute copy, a gathered unit and its gradient), host "
+          "device eΨ/G + 3·e·unit (compute copy, a gathered unit, its gradient and the "
+          "previous unit's in its reduce-scatter), host "
           "(4 + 4 + 4k)Ψ/G (G = shard group)";
       return;
     }
     out.device_bytes = total;
     out.formula =
-        "(4 + 4 + 4k)Ψ/G (+ eΨ/G compute copy) + 2·e·unit: fp32 shards, k state "
-        "slots, a gathered unit and its gradient (G = shard group)";
+        "(4 + 4 + 4k)Ψ/G (+ eΨ/G compute copy) + 3·e·unit: fp32 shards, k state "
+        "slots, a gathered unit, its gradient and the previous unit's in its reduce-scatter "
+        "(G = shard group)";
   }
 
  private:
@@ -554,6 +569,16 @@ class Fsdp {
     Buffer grads;       // G·s_u compute-dtype while a backward accumulates into it
     bool released = false;
     cai::sdk::Work prefetch;  // an all-gather into `gathered` not yet waited for
+  };
+
+  // A unit's gradient on its way into the shard (ReduceGrads, FinishReduce).
+  struct PendingReduce {
+    const Unit* unit;
+    Buffer wire;  // G·s_u reduce-dtype gradient, read until `work` completes
+    Buffer part;  // s_u reduce-dtype result of the reduce-scatter
+    // The reduce-scatter of `wire` into `part` (none with one shard). Declared after the
+    // buffers, so that it is destroyed (waiting for the operation) before they are freed.
+    cai::sdk::Work work;
   };
 
   static const char* Name(cai_dtype d) {
@@ -779,23 +804,36 @@ class Fsdp {
   }
 
   // Sums the unit's gradient over all ranks into this rank's fp32 gradient shard: a
-  // reduce-scatter over the shard group, an all-reduce of the result over the replicas.
+  // reduce-scatter over the shard group, an all-reduce of the result over the replicas. With
+  // async_reduce_scatter the reduce-scatter runs while backward goes on to the next units (as
+  // PyTorch FSDP's runs on its own stream) and FinishReduce completes it when the next one
+  // starts: one unit's full-size gradient stays alive meanwhile.
   void ReduceGrads(Unit& u) {
     for (const Member& m : u.members) Check(Host().model->release_grad(model_, m.param));
-    Buffer wire = std::move(u.grads);
+    PendingReduce r{&u, std::move(u.grads), Buffer(), cai::sdk::Work()};
     if (!SameDtype(reduce_, compute_)) {
       Buffer converted = Alloc(CAI_MEM_DEVICE, u.full, reduce_, "fsdp.grad");
-      const cai_tensor from = View(wire, compute_, 0, &u.full);
+      const cai_tensor from = View(r.wire, compute_, 0, &u.full);
       RunKernel(CAI_KERNEL_COPY, &from, View(converted, reduce_, 0, &u.full));
-      wire = std::move(converted);
+      r.wire = std::move(converted);
     }
     if (shards_ > 1) {
-      Buffer part = Alloc(CAI_MEM_DEVICE, u.shard, reduce_, "fsdp.reduce_scatter");
-      const cai_tensor full = View(wire, reduce_, 0, &u.full);
-      RunCollective(CAI_COMM_REDUCE_SCATTER, &full, View(part, reduce_, 0, &u.shard), false,
-                    CAI_REDUCE_SUM, ShardGroup());
-      wire = std::move(part);
+      r.part = Alloc(CAI_MEM_DEVICE, u.shard, reduce_, "fsdp.reduce_scatter");
+      const cai_tensor full = View(r.wire, reduce_, 0, &u.full);
+      r.work = RunCollective(CAI_COMM_REDUCE_SCATTER, &full, View(r.part, reduce_, 0, &u.shard),
+                             /*async=*/true, CAI_REDUCE_SUM, ShardGroup());
     }
+    reduces_.push_back(std::move(r));
+    while (reduces_.size() > reduces_in_flight_) FinishReduce();
+  }
+
+  // Completes the oldest reduction: its replica all-reduce and the sum into the shard.
+  void FinishReduce() {
+    PendingReduce r = std::move(reduces_.front());
+    reduces_.pop_front();
+    const Unit& u = *r.unit;
+    r.work.Wait();
+    Buffer& wire = shards_ > 1 ? r.part : r.wire;
     const cai_tensor mine = View(wire, reduce_, 0, &u.shard);
     if (replicas_ > 1) {
       RunCollective(CAI_COMM_ALL_REDUCE, nullptr, mine, false, CAI_REDUCE_SUM, ReplicaGroup());
@@ -809,6 +847,10 @@ class Fsdp {
     } else {
       RunKernel(CAI_KERNEL_AXPY, &mine, shard, 1.0);
     }
+  }
+
+  void FinishReduces() {
+    while (!reduces_.empty()) FinishReduce();
   }
 
   static cai_status* OnUnitHook(void* self, const cai_hook_event* event) {
@@ -1052,6 +1094,8 @@ class Fsdp {
   bool backward_ = false;     // the current model call back-propagates
   bool in_backward_ = false;  // its backward has begun
   bool no_sync_ = false;
+  std::deque<PendingReduce> reduces_;  // oldest first, in the order every rank issued them
+  size_t reduces_in_flight_ = 1;       // left pending when ReduceGrads returns
   std::vector<uint8_t> used_;    // trainable parameter got a gradient on this rank since zero_grad
   uint64_t gathered_bytes_ = 0;  // gathered units alive now
   uint64_t forward_param_peak_ = 0;

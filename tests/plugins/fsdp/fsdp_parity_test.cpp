@@ -179,24 +179,26 @@ std::vector<double> ForwardPeaks(const TrainRun& run) {
 
 // Per-rank memory, fp32 Adam (16 bytes per element of the shards S ≈ Ψ/G):
 //  - model state, the pool's DEVICE peak: 16·S, plus at the peak of backward one unit gathered
-//    with its gradient buffer (2 × 4·G·s_max) — the bound 16Ψ/N + 2 × largest unit +
-//    padding — plus the root's two buffers, which stay gathered throughout (the tied wte
-//    lives there, as in PyTorch's root FSDP instance), `prefetched` more gathered units, one
-//    reduce-scatter output and the step's sums;
+//    with its gradient buffer and the previous unit's gradient still in its asynchronous
+//    reduce-scatter (3 × 4·G·s_max), plus the root's two buffers, which stay gathered
+//    throughout (the tied wte lives there, as in PyTorch's root FSDP instance), `prefetched`
+//    more gathered units, two reduce-scatter outputs (the one in flight and the next) and the
+//    step's sums;
 //  - parameters during forward, the plugin's own peak: Ψ/G (4·S) + (prefetch + 1) gathered
 //    units + the root, exactly.
 void ExpectShardedMemory(const TrainRun& ref, const TrainRun& run, int g, int prefetched = 0) {
   const Layout l = LayoutOf(ref, run, g);
   const double shards = 16.0 * l.shards;
-  const double bound = shards + 2 * 4.0 * g * l.max_unit + 2 * 4.0 * g * l.root +
-                       4.0 * g * prefetched * l.max_unit + 4.0 * l.max_unit +
+  const double bound = shards + 3 * 4.0 * g * l.max_unit + 2 * 4.0 * g * l.root +
+                       4.0 * g * prefetched * l.max_unit + 2 * 4.0 * l.max_unit +
                        8.0 * (2 + TrainableParams(ref));
   const std::vector<double> peaks = PerRank(run, "peak_bytes", "device");
   ASSERT_EQ(peaks.size(), static_cast<size_t>(g)) << run.summary;
   for (double peak : peaks) {
     EXPECT_GE(peak, shards);
     EXPECT_LE(peak, bound);
-    EXPECT_LT(peak, 0.8 * 16.0 * l.psi);  // well below a replica's 16Ψ
+    // Well below a replica's 16Ψ, though one block of this small model is ~1/6 of Ψ.
+    EXPECT_LT(peak, 0.85 * 16.0 * l.psi);
   }
   const std::vector<double> forward = ForwardPeaks(run);
   ASSERT_EQ(forward.size(), static_cast<size_t>(g)) << run.output;
@@ -474,9 +476,11 @@ TEST(FsdpParity, ThreeRanks_CpuOffloadMatchesReferenceWithStateInHostMemory) {
     EXPECT_GE(host[r], 16.0 * l.shards);
     EXPECT_LE(host[r], 16.0 * l.shards + 4.0 * std::max(l.max_unit, l.root));
     // Device: the compute shard (4·S), the root and one block gathered with their gradients,
-    // one reduce-scatter output and the step's sums; no gradient sums or optimizer state.
+    // the previous unit's gradient and its reduce-scatter output still in flight, one more
+    // reduce-scatter output and the step's sums; no gradient sums or optimizer state.
     EXPECT_LE(device[r], 4.0 * l.shards + 8.0 * 3 * (l.root + l.max_unit) +
-                             4.0 * std::max(l.max_unit, l.root) + 8.0 * (2 + TrainableParams(ref)));
+                             4.0 * (3 + 2) * std::max(l.max_unit, l.root) +
+                             8.0 * (2 + TrainableParams(ref)));
   }
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs every Debian 12 package cai's build and tests need, selects the OpenMP OpenBLAS for
 # LibTorch (the reference BLAS makes a GPT step >10x slower), and is safe to run again. With
-# --bench also what the benchmarks' PyTorch peers need (python3-torch). Needs root (or sudo).
+# --bench also what the benchmarks' PyTorch peers need (python3-torch) and what `cai report`
+# draws with (gnuplot-nox). Needs root (or sudo).
 # usage: scripts/setup.sh [--bench]
 set -euo pipefail
 
@@ -17,6 +18,7 @@ packages=(
 )
 if [[ ${1:-} == --bench ]]; then
   packages+=(python3-torch)  # bench/peers: PyTorch 1.13 DDP, ZeRO and 1F1B on Gloo
+  packages+=(gnuplot-nox)    # `cai report` draws with it; its test skips without it
 elif [[ $# -gt 0 ]]; then
   echo "usage: scripts/setup.sh [--bench]" >&2
   exit 2

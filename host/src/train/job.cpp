@@ -122,7 +122,7 @@ const cai_config_key kTrainKeys[] = {
              "Peak FLOP/s of one rank's device (e.g. 989e12 for an H100's dense bf16), for the "
              "MFU of the step line and metrics.jsonl: model FLOPs per token (6 x parameters + 12 "
              "x n_layer x n_embd x seq_len, PaLM's estimate) x tokens/s / (peak_flops x ranks). "
-             "0 = unknown: MFU is shown as '-'.",
+             "0 = unknown: MFU is shown as –.",
              0, 0, kMin),
 };
 

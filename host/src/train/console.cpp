@@ -1,10 +1,15 @@
 #include "train/console.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <iomanip>
 #include <sstream>
+#include <string_view>
 
+#include "launch/local_launcher.h"
 #include "train/plan.h"
 
 namespace cai {
@@ -19,6 +24,13 @@ double ModelFlopsUtilization(double flops_per_token, double tokens_per_s, double
                              int world_size) {
   if (!(peak_flops > 0) || world_size < 1) return NAN;
   return flops_per_token * tokens_per_s / (peak_flops * world_size);
+}
+
+bool StdoutReachesTerminal() {
+  if (::isatty(STDOUT_FILENO) == 1) return true;
+  // Set by the local launcher in every rank it starts; a rank's own stdout is then a pipe.
+  const char* launcher_terminal = std::getenv(launch::kStdoutTerminalVar);
+  return launcher_terminal != nullptr && std::string_view(launcher_terminal) == "1";
 }
 
 std::string FormatDuration(double seconds) {

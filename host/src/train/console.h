@@ -20,6 +20,11 @@ double ModelFlopsPerToken(int64_t params, int64_t n_layer, int64_t n_embd, int64
 double ModelFlopsUtilization(double flops_per_token, double tokens_per_s, double peak_flops,
                              int world_size);
 
+// Whether what this process writes to stdout reaches a terminal, where a progress bar may
+// rewrite its line: stdout is one, or the process is a rank of `cai train --nproc N` whose
+// launcher's stdout is one (launch::kStdoutTerminalVar), and the launcher passes the rewrites on.
+bool StdoutReachesTerminal();
+
 // "1h2m3s", "4m0s", "7s"; "?" when not finite.
 std::string FormatDuration(double seconds);
 

@@ -872,9 +872,7 @@ int Run::Execute() {
   const auto wall_start = Clock::now();
   Setup();
   if (env_.rank == 0) std::cout << FormatRunSummary(Summary()) << std::flush;
-  // Only where rank 0 writes to the terminal itself: the local launcher passes its ranks' output
-  // on line by line, through pipes.
-  progress_bar_ = env_.rank == 0 && isatty(STDOUT_FILENO);
+  progress_bar_ = env_.rank == 0 && StdoutReachesTerminal();
   const int64_t eval_every = GetInt(*job_.train, "eval_every");
   const int64_t ckpt_every = GetInt(*job_.checkpoint, "every");
   // Before any step, through the strategy's own save like every other checkpoint, so a step-0

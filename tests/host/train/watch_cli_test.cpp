@@ -140,4 +140,18 @@ TEST(Watch, Train_OnATerminal_UpdatesTheStepLineInPlaceWithMfu) {
   CAI_EXPECT_CONTAINS(ReadFile((dir / "run/metrics.jsonl").string()), "\"mfu\": ");
 }
 
+// Under the local launcher the ranks write to pipes, but the launcher's terminal still gets rank
+// 0's bar as it changes, tagged like every line of the ranks.
+TEST(Watch, TrainTwoRanks_OnATerminal_UpdatesRankZerosStepLineInPlace) {
+  if (!OnPath("script")) GTEST_SKIP() << "script(1) (util-linux) not installed";
+  cai::testing::TempDir dir("cai-watch");
+  const Result r =
+      RunCommand("script -qec '" + std::string(kEnv) + CAI_EXE + " " + TinyTrain(dir / "run") +
+                 " --nproc 2 --set plugin.name=ddp' /dev/null");
+  ASSERT_EQ(r.code, 0) << r.output;
+  CAI_EXPECT_CONTAINS(r.output, "\r[rank 0] [########................] step 1/3  loss ");
+  CAI_EXPECT_CONTAINS(r.output, "[rank 0] [########################] step 3/3  loss ");
+  EXPECT_EQ(r.output.find("[info] step 1/3"), std::string::npos) << r.output;
+}
+
 }  // namespace

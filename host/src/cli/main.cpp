@@ -11,6 +11,7 @@
 #include "cli/bench_command.h"
 #include "cli/interop_command.h"
 #include "cli/plugins_command.h"
+#include "cli/report_command.h"
 #include "cli/train_command.h"
 #include "core/log.h"
 #include "core/status.h"
@@ -27,6 +28,9 @@ commands:
                             a checkpoint's weights in Hugging Face's names and layouts, with
                             config.json (`cai export --help`)
   import DIR                the [model] keys that train from Hugging Face safetensors in DIR
+  report RUN_DIR... [-o OUT.svg|OUT.png]
+                            loss, gradient norm, tokens/s and per-rank memory of runs,
+                            overlaid in one image (needs gnuplot; `cai report --help`)
   bench comm [--nproc N]    time every collective, nccl-tests style
   plugins list [--json]     every plugin found, with version, ABI, path and status
   plugins info NAME         a plugin's manifest, capabilities and config keys
@@ -80,6 +84,7 @@ int main(int argc, char** argv) {
     if (rest[0] == "bench") return cai::RunBenchCommand(options, rest.subspan(1));
     if (rest[0] == "export") return cai::RunExportCommand(rest.subspan(1), std::cout);
     if (rest[0] == "import") return cai::RunImportCommand(rest.subspan(1), std::cout);
+    if (rest[0] == "report") return cai::RunReportCommand(rest.subspan(1), std::cout);
     return Usage("unknown command '" + rest[0] + "'");
   } catch (const cai::Error& e) {
     std::cerr << "cai: error: " << e.what() << "\n";

@@ -110,6 +110,21 @@ std::string Unescape(std::string_view text) {
   return out;
 }
 
+// VT100's "erase to the end of the line", which every terminal emulator understands.
+constexpr std::string_view kEraseToEnd = "\033[K";
+
+std::string RankPrefix(int rank) { return "[rank " + std::to_string(rank) + "] "; }
+
+void WriteFd(Stream stream, std::string_view text) {
+  const int fd = stream == Stream::kStdout ? STDOUT_FILENO : STDERR_FILENO;
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    done += static_cast<size_t>(n);
+  }
+}
+
 struct Pipe {
   int fd = -1;
   std::string pending;
@@ -127,7 +142,8 @@ struct Child {
 
 class Launcher {
  public:
-  explicit Launcher(const LaunchOptions& options) : options_(options) {}
+  explicit Launcher(const LaunchOptions& options)
+      : options_(options), console_(::isatty(STDOUT_FILENO) == 1) {}
 
   ~Launcher() {
     // Only reached with live children when something threw: leave nothing behind.
@@ -166,6 +182,7 @@ class Launcher {
       CloseFd(c.out.fd);
       CloseFd(c.err.fd);
     }
+    console_.Finish();
     LaunchResult result;
     for (const auto& [message, ranks] : rank_errors_) {
       std::string who = ranks.size() == 1 ? "rank " : "ranks ";
@@ -210,6 +227,7 @@ class Launcher {
     common.emplace_back("MASTER_ADDR", options_.master_addr);
     common.emplace_back("MASTER_PORT", std::to_string(port));
     common.emplace_back("CAI_RUN_ID", run_id);
+    common.emplace_back(kStdoutTerminalVar, InPlace() ? "1" : "0");
 
     std::vector<std::string> argv_strings{exe.string()};
     argv_strings.insert(argv_strings.end(), options_.args.begin(), options_.args.end());
@@ -334,8 +352,19 @@ class Launcher {
       Deliver(rank, stream, std::string_view(p.pending).substr(begin, nl - begin));
     }
     p.pending.erase(0, begin);
+    if (stream == Stream::kStdout && InPlace()) {
+      // What carriage returns rewrote is gone from the screen; dropping it bounds the one line
+      // a progress bar writes for the whole run. The carriage return before the rest stays.
+      const size_t shown =
+          static_cast<size_t>(ShownOnTerminal(p.pending).data() - p.pending.data());
+      if (shown > 1) p.pending.erase(0, shown - 1);
+      console_.Partial(static_cast<int>(rank), p.pending);
+    }
     if (p.pending.size() > kMaxLine) Flush(rank, p, stream);
   }
+
+  // Whether ranks' in-place rewrites of their stdout line reach a terminal as they come.
+  bool InPlace() const { return !options_.sink && console_.terminal(); }
 
   void Flush(size_t rank, Pipe& p, Stream stream) {
     if (!p.pending.empty()) Deliver(rank, stream, p.pending);
@@ -345,7 +374,11 @@ class Launcher {
   // Passes a line on to the sink, except a rank's error report, which is kept for the end.
   void Deliver(size_t rank, Stream stream, std::string_view line) {
     if (stream != Stream::kStderr || !line.starts_with(kRankErrorMarker)) {
-      options_.sink(static_cast<int>(rank), stream, line);
+      if (options_.sink) {
+        options_.sink(static_cast<int>(rank), stream, line);
+      } else {
+        console_.Line(static_cast<int>(rank), stream, line);
+      }
       return;
     }
     children_[rank].reported_error = true;
@@ -450,6 +483,7 @@ class Launcher {
   }
 
   const LaunchOptions& options_;
+  RankConsole console_;
   std::vector<Child> children_;
   std::vector<std::pair<std::string, std::vector<int>>> rank_errors_;  // message, its ranks
   pid_t pgid_ = 0;
@@ -477,17 +511,51 @@ std::string RankErrorLine(std::string_view message) {
   return line;
 }
 
-void WriteRankLine(int rank, Stream stream, std::string_view line) {
-  std::string text = "[rank " + std::to_string(rank) + "] ";
-  text.append(line);
+std::string_view ShownOnTerminal(std::string_view text) {
+  const size_t last = text.find_last_not_of('\r');
+  if (last == std::string_view::npos) return text.substr(0, 0);
+  const size_t cr = text.rfind('\r', last);
+  return cr == std::string_view::npos ? text.substr(0, last + 1) : text.substr(cr + 1, last - cr);
+}
+
+RankConsole::RankConsole(bool terminal, Writer write)
+    : terminal_(terminal), write_(write ? std::move(write) : WriteFd) {}
+
+std::string RankConsole::Bar() const { return RankPrefix(bar_rank_) + bar_; }
+
+void RankConsole::Line(int rank, Stream stream, std::string_view line) {
+  // Written as it is, a carriage return would send the line back over its own prefix.
+  std::string text = RankPrefix(rank);
+  text.append(terminal_ ? ShownOnTerminal(line) : line);
   text.push_back('\n');
-  const int fd = stream == Stream::kStdout ? STDOUT_FILENO : STDERR_FILENO;
-  for (size_t done = 0; done < text.size();) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    done += static_cast<size_t>(n);
+  if (bar_rank_ < 0) {
+    write_(stream, text);
+    return;
   }
+  const bool ends_bar = rank == bar_rank_ && stream == Stream::kStdout;
+  const std::string clear = "\r" + std::string(kEraseToEnd);
+  if (stream == Stream::kStdout) {
+    write_(Stream::kStdout, clear + text + (ends_bar ? "" : Bar()));
+  } else {
+    write_(Stream::kStdout, clear);
+    write_(Stream::kStderr, text);
+    write_(Stream::kStdout, Bar());
+  }
+  if (ends_bar) bar_rank_ = -1;
+}
+
+void RankConsole::Partial(int rank, std::string_view text) {
+  if (!terminal_ || text.find('\r') == std::string_view::npos) return;
+  bar_rank_ = rank;
+  bar_ = ShownOnTerminal(text);
+  // Erasing after the text, not before, so the line never flickers blank.
+  write_(Stream::kStdout, "\r" + Bar() + std::string(kEraseToEnd));
+}
+
+void RankConsole::Finish() {
+  if (bar_rank_ < 0) return;
+  write_(Stream::kStdout, "\n");
+  bar_rank_ = -1;
 }
 
 int ParseNproc(std::string_view text) {

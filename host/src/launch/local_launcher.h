@@ -6,7 +6,8 @@
 // child finds its rank. The children share one new process group (so a signal to the group
 // also reaches anything they spawned) and carry PR_SET_PDEATHSIG(SIGKILL), so they die if the
 // launcher dies, even by SIGKILL. Their stdout and stderr come back through pipes and reach the
-// sink line by line, tagged with the rank.
+// sink line by line, tagged with the rank; where the launcher's stdout is a terminal, a rank's
+// line rewritten in place (a progress bar) reaches it as it changes (RankConsole).
 //
 // A rank that fails reports its error as one stderr line, RankErrorLine(message); the launcher
 // holds these lines back and, once the ranks have ended, reports each distinct message once
@@ -38,9 +39,45 @@ enum class Stream { kStdout, kStderr };
 // Receives each line a rank printed, without its newline. Called on the launcher's thread.
 using LineSink = std::function<void(int rank, Stream stream, std::string_view line)>;
 
-// Writes "[rank R] line\n" to the launcher's stdout or stderr in one write(), so lines of
-// different ranks never interleave mid-line.
-void WriteRankLine(int rank, Stream stream, std::string_view line);
+// Set in every rank's environment: "1" where the launcher's stdout is a terminal and a rank's
+// in-place rewrites of its stdout line reach it as they come (RankConsole), "0" elsewhere.
+inline constexpr char kStdoutTerminalVar[] = "CAI_STDOUT_TTY";
+
+// What a terminal shows of `text` once its carriage returns have rewritten the line: the part
+// after the last carriage return that text follows ("\r[#.] step 1\r[##] step 2" shows
+// "[##] step 2", "step 3\r" shows "step 3"); all of `text` when it has none. A part of `text`.
+std::string_view ShownOnTerminal(std::string_view text);
+
+// Where the ranks' output goes unless LaunchOptions::sink says otherwise: the launcher's stdout
+// and stderr, "[rank R] line\n" per line, each line in one write() so that lines of different
+// ranks never interleave mid-line. On a terminal, a rank's stdout line that carriage returns
+// rewrite in place (rank 0's progress bar) is shown as it changes, "\r[rank R] text", before its
+// newline comes; a line arriving meanwhile, of any rank or stream, takes the bar's place and the
+// bar is drawn again below it, so the bar stays the last line. Not thread-safe.
+class RankConsole {
+ public:
+  // Writes text to the launcher's stdout or stderr.
+  using Writer = std::function<void(Stream stream, std::string_view text)>;
+  // `write` empty: the launcher's own stdout and stderr.
+  explicit RankConsole(bool terminal, Writer write = {});
+
+  bool terminal() const { return terminal_; }
+  // A line a rank printed, without its newline; on a terminal, what the terminal would show of it.
+  void Line(int rank, Stream stream, std::string_view line);
+  // What a rank has written to stdout since its last newline. Shown at once on a terminal when
+  // it holds a carriage return; it otherwise waits for its newline, like any line.
+  void Partial(int rank, std::string_view text);
+  // Ends a bar still shown with a newline, so that what is written next has a line of its own.
+  void Finish();
+
+ private:
+  std::string Bar() const;
+
+  bool terminal_;
+  Writer write_;
+  int bar_rank_ = -1;  // -1: no bar shown
+  std::string bar_;
+};
 
 struct LaunchOptions {
   int nproc = 0;
@@ -51,7 +88,7 @@ struct LaunchOptions {
   std::string master_addr = "127.0.0.1";
   int master_port = 0;                     // 0: a port that is free on this machine now
   std::chrono::milliseconds grace{10000};  // from SIGTERM to SIGKILL
-  LineSink sink = WriteRankLine;
+  LineSink sink;  // empty: a RankConsole on the launcher's stdout and stderr
 };
 
 // What a launched rank writes to stderr for its error: a marker and `message` on one line

@@ -118,6 +118,12 @@ const cai_config_key kTrainKeys[] = {
     IntKey("eval_batches", "4", "Global batches per evaluation.", 1, 0, kMin),
     IntKey("log_every", "10", "Log a line every this many steps (without a terminal).", 1, 0, kMin),
     IntKey("threads", "0", "Compute threads per rank (0 = cores / ranks, at least 1).", 0, 0, kMin),
+    FloatKey("peak_flops", "0",
+             "Peak FLOP/s of one rank's device (e.g. 989e12 for an H100's dense bf16), for the "
+             "MFU of the step line and metrics.jsonl: model FLOPs per token (6 x parameters + 12 "
+             "x n_layer x n_embd x seq_len, PaLM's estimate) x tokens/s / (peak_flops x ranks). "
+             "0 = unknown: MFU is shown as –.",
+             0, 0, kMin),
 };
 
 const cai_config_key kCheckpointKeys[] = {

@@ -19,7 +19,14 @@ namespace {
 
 constexpr int64_t kBillion = 1'000'000'000;
 
-std::string Bytes(uint64_t b) {
+uint64_t MachineMemory() {
+  return static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+         static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+}
+
+}  // namespace
+
+std::string FormatBytes(uint64_t b) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(b >= (1ull << 30) ? 2 : 1);
   if (b >= (1ull << 30))
@@ -28,13 +35,6 @@ std::string Bytes(uint64_t b) {
     os << double(b) / double(1ull << 20) << " MiB";
   return os.str();
 }
-
-uint64_t MachineMemory() {
-  return static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
-         static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-}
-
-}  // namespace
 
 ModelSize ZooModelSize(const ModelConfig& c) {
   const int64_t e = c.n_embd, b = c.bias ? 1 : 0;
@@ -122,6 +122,27 @@ toml::table MergedTable(const JobConfig& job, const std::string& plugin,
 
 }  // namespace
 
+MemoryEstimate EstimateMemory(const cai_plugin_api& api, const cai_config& config,
+                              const JobConfig& job, const ModelSize& size, int world_size) {
+  const std::string& kind = GetString(*job.optimizer, "kind");
+  cai_memory_estimate_args args{};
+  args.struct_size = CAI_MEMORY_ESTIMATE_ARGS_STRUCT_SIZE;
+  args.config = &config;
+  args.num_params = size.params;
+  args.largest_unit_numel = size.largest_unit;
+  args.world_size = world_size;
+  args.precision = ParsePrecision(GetString(*job.train, "precision"));
+  args.optimizer_state_slots =
+      kind == "sgd" ? (GetFloat(*job.optimizer, "momentum") > 0 ? 1 : 0) : 2;
+  cai_memory_estimate out{};
+  out.struct_size = CAI_MEMORY_ESTIMATE_STRUCT_SIZE;
+  ThrowIfError(api.estimate_memory(&args, &out));
+  const uint64_t total =
+      out.param_bytes + out.grad_bytes + out.optimizer_state_bytes + out.master_bytes;
+  return {out.device_bytes ? out.device_bytes : total, out.host_bytes,
+          out.formula ? out.formula : ""};
+}
+
 Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::filesystem::path>& paths,
               const cai_host_api* host) {
   Plan plan;
@@ -137,8 +158,6 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
   const double gib = GetFloat(*job.launch, "device_memory_gib");
   plan.device_budget = gib > 0 ? static_cast<uint64_t>(gib * double(1ull << 30))
                                : MachineMemory() / static_cast<uint64_t>(world_size);
-  const std::string kind = GetString(*job.optimizer, "kind");
-  const uint32_t slots = kind == "sgd" ? (GetFloat(*job.optimizer, "momentum") > 0 ? 1 : 0) : 2;
 
   // What can run here: installed plugins that load, and the built-in reference on one rank.
   std::map<std::string, const LoadedPlugin*> installed;
@@ -200,23 +219,11 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
             ValidateConfig(schema, &table,
                            "[plugin." + e.plugin + "] in " +
                                (job.file.empty() ? std::string("job") : job.file.string()));
-        cai_memory_estimate_args args{};
-        args.struct_size = CAI_MEMORY_ESTIMATE_ARGS_STRUCT_SIZE;
-        args.config = config.get();
-        args.num_params = plan.size.params;
-        args.largest_unit_numel = plan.size.largest_unit;
-        args.world_size = world_size;
-        args.precision = plan.precision;
-        args.optimizer_state_slots = slots;
-        cai_memory_estimate out{};
-        out.struct_size = CAI_MEMORY_ESTIMATE_STRUCT_SIZE;
-        ThrowIfError(api->estimate_memory(&args, &out));
-        const uint64_t total =
-            out.param_bytes + out.grad_bytes + out.optimizer_state_bytes + out.master_bytes;
+        const MemoryEstimate out = EstimateMemory(*api, *config, job, plan.size, world_size);
         e.estimated = true;
-        e.device_bytes = out.device_bytes ? out.device_bytes : total;
+        e.device_bytes = out.device_bytes;
         e.host_bytes = out.host_bytes;
-        e.formula = out.formula ? out.formula : "";
+        e.formula = out.formula;
       }
     }
     std::ostringstream text;
@@ -258,10 +265,10 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
       if (!e.installed || !e.estimated) {
         passed.push_back(e.name + " (" + e.formula + ")");
       } else if (!fits(e)) {
-        passed.push_back(e.name + " (needs " + Bytes(e.device_bytes) + ")");
+        passed.push_back(e.name + " (needs " + FormatBytes(e.device_bytes) + ")");
       } else {
-        std::string why = band + "; " + e.name + " needs " + Bytes(e.device_bytes) +
-                          " per rank of " + Bytes(plan.device_budget);
+        std::string why = band + "; " + e.name + " needs " + FormatBytes(e.device_bytes) +
+                          " per rank of " + FormatBytes(plan.device_budget);
         if (!passed.empty()) {
           why += " (passed over:";
           for (const auto& p : passed) why += " " + p + ";";
@@ -281,15 +288,15 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
   }
   if (best) {
     choose(*best, band + ", but none of those fits; '" + best->name +
-                      "' is the installed configuration that does (" + Bytes(best->device_bytes) +
-                      " per rank)");
+                      "' is the installed configuration that does (" +
+                      FormatBytes(best->device_bytes) + " per rank)");
     return plan;
   }
   std::string tried;
   for (const auto& p : passed) tried += "\n  " + p;
   throw Error(CAI_NOT_FOUND, "plugin.name = \"auto\": no installed strategy fits " +
                                  std::to_string(world_size) + " rank(s) of " +
-                                 Bytes(plan.device_budget) + ":" + tried +
+                                 FormatBytes(plan.device_budget) + ":" + tried +
                                  "\nInstall the strategy packages (cai-plugin-*), add ranks, or "
                                  "raise launch.device_memory_gib");
 }
@@ -301,7 +308,7 @@ void PrintPlan(const Plan& plan, std::ostream& out) {
   out << "parameters: " << plan.size.params << " (" << std::fixed << std::setprecision(3)
       << double(plan.size.params) / 1e9 << "B); largest unit " << plan.size.largest_unit
       << "\nranks: " << plan.world_size << ", precision " << precision
-      << ", device memory per rank " << Bytes(plan.device_budget) << "\n\n";
+      << ", device memory per rank " << FormatBytes(plan.device_budget) << "\n\n";
   size_t width = 10;
   for (const StrategyEstimate& e : plan.estimates) width = std::max(width, e.name.size() + 2);
   out << std::left << std::setw(static_cast<int>(width)) << "strategy" << std::setw(14)
@@ -309,8 +316,8 @@ void PrintPlan(const Plan& plan, std::ostream& out) {
       << "formula (the plugin's own estimate)\n";
   for (const StrategyEstimate& e : plan.estimates) {
     out << std::left << std::setw(static_cast<int>(width)) << e.name << std::setw(14)
-        << (e.estimated ? Bytes(e.device_bytes) : "-") << std::setw(14)
-        << (e.estimated ? Bytes(e.host_bytes) : "-") << std::setw(11)
+        << (e.estimated ? FormatBytes(e.device_bytes) : "-") << std::setw(14)
+        << (e.estimated ? FormatBytes(e.host_bytes) : "-") << std::setw(11)
         << (e.installed ? "yes" : "no") << e.formula << "\n";
   }
   out << "\nauto picks: " << plan.choice << "\n  because " << plan.reason << "\n";

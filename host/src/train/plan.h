@@ -22,6 +22,21 @@ struct ModelSize {
 };
 ModelSize ZooModelSize(const ModelConfig& config);
 
+// "812.5 MiB", "3.25 GiB".
+std::string FormatBytes(uint64_t bytes);
+
+// One rank's model-state memory as a strategy estimates it (estimate_memory, ABI 1.1).
+struct MemoryEstimate {
+  uint64_t device_bytes = 0;  // per rank, model states (+ FSDP's gathered units)
+  uint64_t host_bytes = 0;    // per rank, offloaded states
+  std::string formula;        // the plugin's, e.g. "(2+2+12)Ψ/N"
+};
+
+// Asks `api` (which must have estimate_memory) for its estimate under its validated table
+// `config`, for `job`'s precision and optimizer on `world_size` ranks.
+MemoryEstimate EstimateMemory(const cai_plugin_api& api, const cai_config& config,
+                              const JobConfig& job, const ModelSize& size, int world_size);
+
 // One configuration of one strategy: a plugin and the options it runs with.
 struct StrategyEstimate {
   std::string name;    // "low_level_zero (stage = 2, cpu_offload = true)"

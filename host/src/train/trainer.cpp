@@ -38,6 +38,7 @@
 #include "model/model.h"
 #include "optim/optimizer.h"
 #include "services/host_table.h"
+#include "train/console.h"
 #include "train/job.h"
 #include "train/plan.h"
 #include "train/reference_strategy.h"
@@ -255,16 +256,6 @@ uint64_t PeakRssBytes() {
   return static_cast<uint64_t>(usage.ru_maxrss) * 1024;
 }
 
-std::string FormatDuration(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "?";
-  int s = static_cast<int>(seconds + 0.5);
-  std::ostringstream os;
-  if (s >= 3600) os << s / 3600 << "h";
-  if (s >= 60) os << (s / 60) % 60 << "m";
-  os << s % 60 << "s";
-  return os.str();
-}
-
 class Run {
  public:
   Run(const TrainOptions& options, JobConfig job, const launch::RankEnv& env, fs::path run_dir)
@@ -285,6 +276,7 @@ class Run {
   void SaveCheckpoint(int64_t step);
   void WriteSummary(double wall_s);
   void Report(int64_t step, double loss, const cai_step_result& result, double step_s);
+  RunSummary Summary();
   // Bytes handed to each collective (the ABI's counters) and sent on the wire, summed over
   // groups, since the communicator started.
   struct CommBytes {
@@ -310,6 +302,8 @@ class Run {
   cai_precision precision_ = CAI_PRECISION_FP32;
   std::ofstream metrics_;
   bool progress_bar_ = false;
+  int64_t params_ = 0;
+  double flops_per_token_ = 0;
   std::vector<double> step_times_;
   // Per op, summed over this run's optimizer steps (comm_steps_); summary.json has the means.
   std::array<uint64_t, CAI_COMM_NUM_OPS> handed_sum_{}, wire_sum_{}, unmeasured_calls_{};
@@ -443,6 +437,11 @@ void Run::Setup() {
 
   model_ = BuildModel(job_, seed);
   const cai_config& m = *job_.model;
+  for (uint32_t i = 0; i < model_->NumParams(); ++i) params_ += model_->ParamInfo(i).numel;
+  // A TorchScript model's shape is not in [model]: its attention term is left out.
+  const bool zoo = GetString(m, "kind") != "torchscript";
+  flops_per_token_ =
+      ModelFlopsPerToken(params_, zoo ? GetInt(m, "n_layer") : 0, GetInt(m, "n_embd"), seq_len_);
   if (GetString(m, "kind") != "torchscript" && seq_len_ > GetInt(m, "n_ctx")) {
     throw Error(CAI_INVALID_ARGUMENT,
                 "train.seq_len = " + std::to_string(seq_len_) +
@@ -702,8 +701,42 @@ void Run::SaveCheckpoint(int64_t step) {
   if (env_.rank == 0) Log(CAI_LOG_INFO, "", "checkpoint saved: " + dir.string());
 }
 
+RunSummary Run::Summary() {
+  RunSummary s;
+  s.model = model_->Describe();
+  s.params = params_;
+  s.strategy = strategy_.name;
+  s.strategy_options = job_.plugin_table_toml;
+  s.world_size = env_.world_size;
+  s.threads = ComputeThreads();
+  s.precision = GetString(*job_.train, "precision");
+  s.steps = steps_;
+  s.global_batch = global_batch_;
+  s.seq_len = seq_len_;
+  s.grad_accum = accum_;
+  s.flops_per_token = flops_per_token_;
+  s.peak_flops = GetFloat(*job_.train, "peak_flops");
+  s.run_dir = run_dir_;
+  const cai_plugin_api* api = strategy_.api;
+  if (GetString(*job_.model, "kind") != "torchscript" &&
+      CAI_HAS_FIELD(api, cai_plugin_api, estimate_memory) && api->estimate_memory) {
+    try {
+      const MemoryEstimate e = EstimateMemory(
+          *api, *plugin_config_, job_, ZooModelSize(ZooModelConfig(*job_.model)), env_.world_size);
+      s.memory = RunSummary::Memory{e.device_bytes, e.host_bytes, e.formula};
+    } catch (const Error& e) {
+      // The estimate only informs the summary; training does not depend on it.
+      Log(CAI_LOG_WARN, "",
+          "strategy '" + strategy_.name + "' could not estimate its memory: " + e.what());
+    }
+  }
+  return s;
+}
+
 void Run::Report(int64_t step, double loss, const cai_step_result& result, double step_s) {
   const double tokens_per_s = static_cast<double>(global_batch_ * seq_len_) / step_s;
+  const double mfu = ModelFlopsUtilization(flops_per_token_, tokens_per_s,
+                                           GetFloat(*job_.train, "peak_flops"), env_.world_size);
   JsonObject line;
   line.Add("step", step)
       .Add("loss", loss)
@@ -714,25 +747,25 @@ void Run::Report(int64_t step, double loss, const cai_step_result& result, doubl
       .Add("tokens_per_s", tokens_per_s)
       .Add("step_time_s", step_s);
   if (!std::isnan(last_eval_)) line.Add("eval_loss", last_eval_);
+  if (!std::isnan(mfu)) line.Add("mfu", mfu);
   metrics_ << line.str() << "\n";
   metrics_.flush();
 
   const int64_t done = step - start_step_;
   const double elapsed = std::chrono::duration<double>(Clock::now() - loop_start_).count();
-  const double eta = elapsed / static_cast<double>(done) * static_cast<double>(steps_ - step);
-  std::ostringstream text;
-  text << "step " << step << "/" << steps_ << "  loss " << std::fixed << std::setprecision(4)
-       << loss << "  lr " << std::scientific << std::setprecision(2) << result.lr << std::fixed
-       << std::setprecision(0) << "  " << tokens_per_s << " tok/s  ETA " << FormatDuration(eta);
-  if (result.skipped) text << "  (overflow: step skipped)";
+  StepLine text;
+  text.step = step;
+  text.steps = steps_;
+  text.loss = loss;
+  text.lr = result.lr;
+  text.tokens_per_s = tokens_per_s;
+  text.mfu = mfu;
+  text.eta_s = elapsed / static_cast<double>(done) * static_cast<double>(steps_ - step);
+  text.skipped = result.skipped;
   if (progress_bar_) {
-    const int width = 24;
-    const int filled = static_cast<int>(width * step / steps_);
-    std::cerr << "\r[" << std::string(filled, '#') << std::string(width - filled, '.') << "] "
-              << text.str() << "   " << std::flush;
-    if (step == steps_) std::cerr << "\n";
+    std::cout << FormatProgressBar(text) << std::flush;
   } else if (step % GetInt(*job_.train, "log_every") == 0 || step == steps_ || done == 1) {
-    Log(CAI_LOG_INFO, "", text.str());
+    Log(CAI_LOG_INFO, "", FormatStepLine(text));
   }
 }
 
@@ -838,15 +871,8 @@ void Run::WriteSummary(double wall_s) {
 int Run::Execute() {
   const auto wall_start = Clock::now();
   Setup();
-  if (env_.rank == 0) {
-    std::cerr << "cai: resolved configuration (also in " << (run_dir_ / "config.resolved.toml")
-              << "):\n"
-              << job_.resolved_toml;
-    Log(CAI_LOG_INFO, "",
-        std::string("model: ") + model_->Describe() + "; strategy: " + strategy_.name +
-            "; ranks: " + std::to_string(env_.world_size));
-  }
-  progress_bar_ = env_.rank == 0 && env_.world_size == 1 && isatty(STDERR_FILENO);
+  if (env_.rank == 0) std::cout << FormatRunSummary(Summary()) << std::flush;
+  progress_bar_ = env_.rank == 0 && StdoutReachesTerminal();
   const int64_t eval_every = GetInt(*job_.train, "eval_every");
   const int64_t ckpt_every = GetInt(*job_.checkpoint, "every");
   // Before any step, through the strategy's own save like every other checkpoint, so a step-0

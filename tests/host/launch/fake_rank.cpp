@@ -11,6 +11,8 @@
 //   errors         every rank reports an error and exits 1, rank 1 a moment after the others:
 //                  ranks 0 and 2 the same two-line message, rank 1 another
 //   all-wait       every rank waits to be stopped
+//   bar            rank 0 prints the launcher's kStdoutTerminalVar, then rewrites a progress
+//                  line in place, printing a stderr line between two rewrites; rank 1 exits 0
 // Every rank writes its pid to $CAI_TEST_PID_DIR/<rank> when that is set, so tests can check
 // that no process is left behind.
 #include <signal.h>
@@ -69,6 +71,18 @@ int main(int argc, char** argv) {
         env->rank == 1 ? "rank 1 is different" : "no such file: C:\\data.bin\nsecond line");
     std::fprintf(stderr, "%s\n", line.c_str());
     return 1;
+  }
+  if (mode == "bar") {
+    if (env->rank != 0) return 0;
+    const char* terminal = std::getenv(cai::launch::kStdoutTerminalVar);
+    std::printf("tty %s\n\r[#.] 1/2", terminal ? terminal : "unset");
+    std::fflush(stdout);
+    // The pauses let the launcher read each piece on its own, as it would a real step's.
+    ::usleep(300 * 1000);
+    std::fprintf(stderr, "note from rank 0\n");
+    ::usleep(300 * 1000);
+    std::printf("\r[##] 2/2\n");
+    return 0;
   }
   while (true) ::pause();
 }

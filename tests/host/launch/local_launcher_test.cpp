@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <fstream>
 #include <mutex>
+#include <ostream>
 #include <thread>
 
 #include "core/status.h"
@@ -105,31 +107,145 @@ TEST(LaunchLocal, ThreeRanksSucceed_ExitZeroAndEveryLineCarriesItsRank) {
   ExpectAllGone(result.pids);
 }
 
-TEST(LaunchLocal, DefaultSink_PrefixesLinesWithRank) {
-  // Run the launcher in a child whose stdout is a pipe, to see what a terminal would.
-  int fds[2];
-  ASSERT_EQ(::pipe(fds), 0);
+// Runs LaunchLocal(mode) with the default sink in a child whose stdout and stderr are
+// `terminal` (a pseudo-terminal in raw mode, so that what is written arrives unchanged) or a
+// pipe; returns what the child wrote there once the launcher has ended.
+std::string DefaultSinkOutput(const std::string& mode, bool terminal) {
+  int read_fd = -1, write_fd = -1;
+  if (terminal) {
+    read_fd = ::posix_openpt(O_RDWR | O_NOCTTY);
+    EXPECT_GE(read_fd, 0);
+    EXPECT_EQ(::grantpt(read_fd), 0);
+    EXPECT_EQ(::unlockpt(read_fd), 0);
+    write_fd = ::open(::ptsname(read_fd), O_RDWR | O_NOCTTY);
+    termios raw{};
+    ::tcgetattr(write_fd, &raw);
+    ::cfmakeraw(&raw);
+    ::tcsetattr(write_fd, TCSANOW, &raw);
+  } else {
+    int fds[2];
+    EXPECT_EQ(::pipe(fds), 0);
+    read_fd = fds[0];
+    write_fd = fds[1];
+  }
   const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
   if (pid == 0) {
-    ::dup2(fds[1], STDOUT_FILENO);
-    ::close(fds[0]);
+    ::dup2(write_fd, STDOUT_FILENO);
+    ::dup2(write_fd, STDERR_FILENO);
+    ::close(read_fd);
     LaunchOptions options;
     options.nproc = 2;
     options.executable = CAI_FAKE_RANK;
-    options.args = {"ok"};
+    options.args = {mode};
     ::_exit(LaunchLocal(options).exit_code);
   }
-  ::close(fds[1]);
+  ::close(write_fd);
   std::string output;
   char buffer[4096];
-  for (ssize_t n; (n = ::read(fds[0], buffer, sizeof(buffer))) > 0;) output.append(buffer, n);
-  ::close(fds[0]);
+  // A pseudo-terminal's reader gets EIO, not 0, once every writer has closed it.
+  for (ssize_t n; (n = ::read(read_fd, buffer, sizeof(buffer))) > 0;) output.append(buffer, n);
+  ::close(read_fd);
   int status = 0;
   ::waitpid(pid, &status, 0);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
+  return output;
+}
+
+TEST(LaunchLocal, DefaultSink_PrefixesLinesWithRank) {
+  const std::string output = DefaultSinkOutput("ok", false);
   EXPECT_NE(output.find("[rank 0] hello from rank 0 of 2"), std::string::npos) << output;
   EXPECT_NE(output.find("[rank 1] hello from rank 1 of 2"), std::string::npos) << output;
+}
+
+// Not on a terminal, a line rewritten in place is passed on when its newline comes, as written.
+TEST(LaunchLocal, DefaultSinkToAPipe_PassesARewrittenLineWholeAtItsNewline) {
+  const std::string output = DefaultSinkOutput("bar", false);
+  EXPECT_NE(output.find("[rank 0] tty 0\n"), std::string::npos) << output;
+  EXPECT_NE(output.find("[rank 0] note from rank 0\n"), std::string::npos) << output;
+  EXPECT_NE(output.find("[rank 0] \r[#.] 1/2\r[##] 2/2\n"), std::string::npos) << output;
+  EXPECT_EQ(output.find('\033'), std::string::npos) << output;
+}
+
+// On a terminal the ranks learn it, and rank 0's bar shows before its newline, stays below a line
+// printed meanwhile, and ends as the line a terminal would show.
+TEST(LaunchLocal, DefaultSinkToATerminal_ShowsTheBarAsItChangesBelowOtherLines) {
+  const std::string output = DefaultSinkOutput("bar", true);
+  EXPECT_NE(output.find("[rank 0] tty 1\n"), std::string::npos) << output;
+  EXPECT_NE(output.find("\r[rank 0] [#.] 1/2\033[K"), std::string::npos) << output;
+  EXPECT_NE(output.find("\r\033[K[rank 0] note from rank 0\n[rank 0] [#.] 1/2"), std::string::npos)
+      << output;
+  EXPECT_TRUE(output.ends_with("\r\033[K[rank 0] [##] 2/2\n")) << output;
+}
+
+TEST(ShownOnTerminal, IsWhatTheLastCarriageReturnLeft) {
+  EXPECT_EQ(ShownOnTerminal("plain"), "plain");
+  EXPECT_EQ(ShownOnTerminal("\r[#.] 1/2\r[##] 2/2"), "[##] 2/2");
+  EXPECT_EQ(ShownOnTerminal("[#.] 1/2\r[##] 2/2\r"), "[##] 2/2");
+  EXPECT_EQ(ShownOnTerminal("windows\r"), "windows");
+  EXPECT_EQ(ShownOnTerminal("\r\r"), "");
+  EXPECT_EQ(ShownOnTerminal(""), "");
+}
+
+struct Written {
+  Stream stream;
+  std::string text;
+  bool operator==(const Written&) const = default;
+};
+
+void PrintTo(const Written& w, std::ostream* os) {
+  *os << (w.stream == Stream::kStdout ? "out:" : "err:") << ::testing::PrintToString(w.text);
+}
+
+RankConsole Recording(bool terminal, std::vector<Written>* written) {
+  return RankConsole(terminal, [written](Stream stream, std::string_view text) {
+    written->push_back({stream, std::string(text)});
+  });
+}
+
+TEST(RankConsole, OnATerminal_OtherLinesTakeTheBarsPlaceAndTheBarIsDrawnBelow) {
+  std::vector<Written> w;
+  RankConsole console = Recording(true, &w);
+  console.Partial(0, "no carriage return yet");
+  EXPECT_TRUE(w.empty());
+  console.Partial(0, "\r[#...] 1/4");
+  console.Line(1, Stream::kStdout, "rank 1 says");
+  console.Line(0, Stream::kStderr, "a warning");
+  console.Partial(0, "\r[##..] 2/4");
+  console.Line(0, Stream::kStdout, "\r[####] 4/4   ");
+  console.Line(1, Stream::kStdout, "after the bar");
+  console.Finish();
+  const std::vector<Written> expected{
+      {Stream::kStdout, "\r[rank 0] [#...] 1/4\033[K"},
+      {Stream::kStdout, "\r\033[K[rank 1] rank 1 says\n[rank 0] [#...] 1/4"},
+      {Stream::kStdout, "\r\033[K"},
+      {Stream::kStderr, "[rank 0] a warning\n"},
+      {Stream::kStdout, "[rank 0] [#...] 1/4"},
+      {Stream::kStdout, "\r[rank 0] [##..] 2/4\033[K"},
+      {Stream::kStdout, "\r\033[K[rank 0] [####] 4/4   \n"},
+      {Stream::kStdout, "[rank 1] after the bar\n"},
+  };
+  EXPECT_EQ(w, expected);
+}
+
+TEST(RankConsole, OnATerminal_FinishEndsABarLeftShowing) {
+  std::vector<Written> w;
+  RankConsole console = Recording(true, &w);
+  console.Partial(0, "\r[#.] 1/2");
+  console.Finish();
+  console.Finish();
+  const std::vector<Written> expected{{Stream::kStdout, "\r[rank 0] [#.] 1/2\033[K"},
+                                      {Stream::kStdout, "\n"}};
+  EXPECT_EQ(w, expected);
+}
+
+TEST(RankConsole, NotATerminal_LinesPassAsWrittenAndPartialTextWaits) {
+  std::vector<Written> w;
+  RankConsole console = Recording(false, &w);
+  console.Partial(0, "\r[#.] 1/2");
+  console.Line(0, Stream::kStdout, "\r[#.] 1/2\r[##] 2/2");
+  console.Finish();
+  const std::vector<Written> expected{{Stream::kStdout, "[rank 0] \r[#.] 1/2\r[##] 2/2\n"}};
+  EXPECT_EQ(w, expected);
 }
 
 TEST(LaunchLocal, OneRankExitsThree_LauncherFailsFastNamingItAndLeavesNoProcess) {

@@ -1,0 +1,113 @@
+#include "train/console.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <iomanip>
+#include <sstream>
+#include <string_view>
+
+#include "launch/local_launcher.h"
+#include "train/plan.h"
+
+namespace cai {
+
+double ModelFlopsPerToken(int64_t params, int64_t n_layer, int64_t n_embd, int64_t seq_len) {
+  return 6.0 * static_cast<double>(params) + 12.0 * static_cast<double>(n_layer) *
+                                                 static_cast<double>(n_embd) *
+                                                 static_cast<double>(seq_len);
+}
+
+double ModelFlopsUtilization(double flops_per_token, double tokens_per_s, double peak_flops,
+                             int world_size) {
+  if (!(peak_flops > 0) || world_size < 1) return NAN;
+  return flops_per_token * tokens_per_s / (peak_flops * world_size);
+}
+
+bool StdoutReachesTerminal() {
+  if (::isatty(STDOUT_FILENO) == 1) return true;
+  // Set by the local launcher in every rank it starts; a rank's own stdout is then a pipe.
+  const char* launcher_terminal = std::getenv(launch::kStdoutTerminalVar);
+  return launcher_terminal != nullptr && std::string_view(launcher_terminal) == "1";
+}
+
+std::string FormatDuration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  int s = static_cast<int>(seconds + 0.5);
+  std::ostringstream os;
+  if (s >= 3600) os << s / 3600 << "h";
+  if (s >= 60) os << (s / 60) % 60 << "m";
+  os << s % 60 << "s";
+  return os.str();
+}
+
+std::string FormatStepLine(const StepLine& line) {
+  std::ostringstream text;
+  text << "step " << line.step << "/" << line.steps << "  loss " << std::fixed
+       << std::setprecision(4) << line.loss << "  lr " << std::scientific << std::setprecision(2)
+       << line.lr << std::fixed << std::setprecision(0) << "  " << line.tokens_per_s
+       << " tok/s  MFU ";
+  if (std::isnan(line.mfu)) {
+    text << "–";
+  } else {
+    text << std::setprecision(1) << 100 * line.mfu << "%";
+  }
+  text << "  ETA " << FormatDuration(line.eta_s);
+  if (line.skipped) text << "  (overflow: step skipped)";
+  return text.str();
+}
+
+std::string FormatProgressBar(const StepLine& line) {
+  constexpr int kWidth = 24;
+  const int64_t steps = line.steps > 0 ? line.steps : 1;
+  const int filled = static_cast<int>(kWidth * std::min(line.step, steps) / steps);
+  // The padding blanks what a longer earlier line (a skipped step's note) left behind.
+  return "\r[" + std::string(filled, '#') + std::string(kWidth - filled, '.') + "] " +
+         FormatStepLine(line) + "   " + (line.step >= line.steps ? "\n" : "");
+}
+
+std::string FormatRunSummary(const RunSummary& s) {
+  std::ostringstream out;
+  out << "cai: training\n"
+      << "  model      " << s.model << "\n"
+      << "  Ψ          " << s.params << " parameters (" << std::fixed << std::setprecision(2)
+      << static_cast<double>(s.params) / 1e6 << "M); " << std::scientific << std::setprecision(3)
+      << s.flops_per_token << " FLOPs per token (6Ψ + 12·n_layer·n_embd·seq_len)\n";
+  out << "  strategy   " << s.strategy;
+  std::string options;
+  std::istringstream table(s.strategy_options);
+  for (std::string row; std::getline(table, row);) {
+    if (row.empty() || row[0] == '#' || row[0] == '[') continue;
+    options += (options.empty() ? "" : ", ") + row;
+  }
+  out << (options.empty() ? " (its defaults)" : " (" + options + ")") << "\n"
+      << "  ranks      " << s.world_size << ", " << s.threads << " compute thread"
+      << (s.threads == 1 ? "" : "s") << " per rank, " << s.precision << "\n"
+      << "  batch      " << s.global_batch << " sequences × " << s.seq_len << " tokens"
+      << (s.grad_accum > 1 ? " in " + std::to_string(s.grad_accum) + " micro-batches" : "") << ", "
+      << s.steps << " steps\n";
+  out << "  memory     ";
+  if (s.memory) {
+    out << FormatBytes(s.memory->device_bytes) << " device";
+    if (s.memory->host_bytes > 0) out << " + " << FormatBytes(s.memory->host_bytes) << " host";
+    out << " per rank for model states";
+    if (!s.memory->formula.empty()) out << ", " << s.memory->formula;
+    out << "\n";
+  } else {
+    out << "no estimate (the strategy has no estimate_memory, or the model is TorchScript)\n";
+  }
+  out << "  peak       ";
+  if (s.peak_flops > 0) {
+    out << std::scientific << std::setprecision(3) << s.peak_flops << " FLOP/s per rank\n";
+  } else {
+    out << "unknown: MFU is shown as – (set train.peak_flops to the device's peak FLOP/s)\n";
+  }
+  out << "  run dir    " << s.run_dir.string() << "\n"
+      << "  config     " << (s.run_dir / "config.resolved.toml").string()
+      << " (every key, defaults filled)\n";
+  return out.str();
+}
+
+}  // namespace cai

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs every Debian 12 package cai's build and tests need, selects the OpenMP OpenBLAS for
 # LibTorch (the reference BLAS makes a GPT step >10x slower), and is safe to run again. With
-# --bench also what the benchmarks' PyTorch peers need (python3-torch). Needs root (or sudo).
+# --bench also what the benchmarks need (python3-torch, gnuplot-nox). Needs root (or sudo).
 # usage: scripts/setup.sh [--bench]
 set -euo pipefail
 
@@ -16,7 +16,7 @@ packages=(
   clang libclang-rt-14-dev  # libFuzzer targets (scripts/fuzz.sh)
 )
 if [[ ${1:-} == --bench ]]; then
-  packages+=(python3-torch)  # bench/peers: PyTorch 1.13 DDP, ZeRO and 1F1B on Gloo
+  packages+=(python3-torch gnuplot-nox)  # bench/peers: PyTorch 1.13 on Gloo; bench/run.py's plot
 elif [[ $# -gt 0 ]]; then
   echo "usage: scripts/setup.sh [--bench]" >&2
   exit 2

@@ -58,7 +58,7 @@ PEERS = {
 # step for 2 ranks without exhausting a small machine's memory at 124M parameters.
 SIZES = {
     "gpt2-tiny": dict(kind="gpt2", vocab_size=256, n_ctx=128, n_layer=4, n_head=4, n_kv_head=0,
-                      n_embd=128, global_batch=16, seq_len=128, timeout=600),
+                      n_embd=128, global_batch=16, seq_len=128, timeout=300),
     # GPT-2's vocabulary makes 6 x 384 the ~30M model (Ψ = 30,062,592).
     "gpt2-30m": dict(kind="gpt2", vocab_size=50304, n_ctx=256, n_layer=6, n_head=6, n_kv_head=0,
                      n_embd=384, global_batch=8, seq_len=256, timeout=1800),
@@ -374,6 +374,9 @@ def main():
                 if r["side"] == "peer" and r["raw"]["params"] != psi:
                     sys.exit(f"run.py: {name} trained {r['raw']['params']:,} parameters, cai's "
                              f"model has {psi:,}: the peer does not build the same model")
+    notes += [f"{r['name']} hung in Gloo in pair {r['pair'] + 1} and was killed after "
+              f"{args.timeout} s and run again ({r['raw']['reruns']} time(s))."
+              for r in runs if r["side"] == "peer" and r["raw"]["reruns"]]
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "command": "bench/run.py " + shlex.join(sys.argv[1:]),

@@ -11,42 +11,16 @@ usage: bench/call_check_bench.py BUILD_DIR [--pairs 5] [--steps 20] [--n-layer 2
                                  [--n-embd 32] [--n-head 2] [--seq-len 16] [--global-batch 6]
 """
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-JOB = """
-[model]
-kind = "gpt2"
-n_ctx = {seq_len}
-n_layer = {n_layer}
-n_head = {n_head}
-n_embd = {n_embd}
-
-[train]
-steps = {steps}
-global_batch = {global_batch}
-seq_len = {seq_len}
-eval_every = 0
-eval_batches = 1
-threads = 1
-
-[checkpoint]
-at_end = false
-"""
+from benchlib import run_cai
 
 
-def run(cai, job, run_dir, check, env):
-    command = [str(cai), "train", str(job), "--nproc", "2", "--run-dir", str(run_dir),
-               "--set", "plugin.name=ddp", "--set", f"launch.check_calls={str(check).lower()}"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed:\n{done.stdout}{done.stderr}")
-    summary = json.loads((run_dir / "summary.json").read_text())
+def run(build, job, run_dir, check):
+    summary = run_cai(build, job, run_dir, "ddp",
+                      sets=(f"launch.check_calls={str(check).lower()}",))
     return summary["median_step_time_s"]
 
 
@@ -61,18 +35,16 @@ def main():
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--global-batch", type=int, default=6)
     args = parser.parse_args()
-    cai = Path(args.build_dir).resolve() / "bin" / "cai"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               CAI_PLUGIN_FILES=str(Path(args.build_dir).resolve() / "lib/cai/plugins/ddp.toml"))
+    build = Path(args.build_dir).resolve()
+    job = argparse.Namespace(**vars(args), kind="gpt2", vocab_size=256, n_ctx=args.seq_len,
+                             n_kv_head=0, precision="fp32", nproc=2, timeout=600)
     n = args.n_embd
     params = 12 * args.n_layer * n * n + 256 * n + args.seq_len * n
     times = {True: [], False: []}
     with tempfile.TemporaryDirectory(prefix="call_check_bench_") as tmp:
-        job = Path(tmp) / "job.toml"
-        job.write_text(JOB.format(**vars(args)))
         for pair in range(args.pairs):
             for check in (True, False) if pair % 2 == 0 else (False, True):
-                times[check].append(run(cai, job, Path(tmp) / f"run-{pair}-{check}", check, env))
+                times[check].append(run(build, job, Path(tmp) / f"run-{pair}-{check}", check))
     print(f"2 ranks, ddp, GPT-2 n_layer={args.n_layer} n_embd={args.n_embd} (~{params / 1e6:.1f}M "
           f"params), {args.global_batch}x{args.seq_len} tokens per step, {args.steps} steps, "
           f"{args.pairs} on/off pairs")

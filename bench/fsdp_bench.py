@@ -3,19 +3,16 @@
 stage 2 on the same GPT-2 job.
 
 PyTorch 1.13's FullyShardedDataParallel refuses to run without CUDA, so on CPU the PyTorch
-peers are DDP and DDP + ZeroRedundancyOptimizer (python3-torch, Gloo). The protocol of
-bench/ddp_bench.py (whose job, runners and options this reuses): 2 ranks on this machine,
-OMP_NUM_THREADS=1 per rank (cai: train.threads = 1), the four runs of a pair one after the
-other so that load drifting on a shared machine hits all alike; each figure is the median over
-pairs of the per-pair ratio. Per pair: tokens/s (global tokens per step over the median step
-time after the first step, the same definition on every side) and the largest peak RSS of a
-rank; for fsdp also the bytes per rank and step handed to all-gather and reduce-scatter, whose
-sum over ranks is ZeRO-3's 3Ψ (2 gathers of 4Ψ/N per rank, 1 reduce-scatter of 4Ψ), and the
-pool's device peak (model state + gathered units) against low_level_zero's.
+peers are DDP and DDP + ZeroRedundancyOptimizer (python3-torch, Gloo). The protocol, job and
+runners of bench/benchlib.py, the four runs of a pair one after the other. Per pair: tokens/s
+and the largest peak RSS of a rank; for fsdp also the bytes per rank and step handed to
+all-gather and reduce-scatter, whose sum over ranks is ZeRO-3's 3Ψ (2 gathers of 4Ψ/N per rank,
+1 reduce-scatter of 4Ψ), and the pool's device peak (model state + gathered units) against
+low_level_zero's.
 
 Targets (issue 7): fsdp's peak RSS below both PyTorch peers' at >= 0.8x PyTorch DDP's tokens/s.
 
-usage: bench/fsdp_bench.py BUILD_DIR [--pairs 3] [--steps 12] [job sizes of ddp_bench.py]
+usage: bench/fsdp_bench.py BUILD_DIR [--pairs 3] [--steps 12] [job sizes of benchlib.py]
                            [--strategy FULL_SHARD|SHARD_GRAD_OP] [--prefetch]
 """
 import argparse
@@ -23,29 +20,23 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from ddp_bench import add_job_options, peer_command, run_cai, run_peer_command
-
-
-def cai_figures(summary):
-    ranks = summary["ranks"]
-    return {"tokens_per_s": summary["tokens_per_s"],
-            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
-            "device_peak": max(r["peak_bytes"]["device"] for r in ranks),
-            "gathered": [r["comm_bytes_per_step_mean"]["all_gather"] for r in ranks],
-            "reduced": [r["comm_bytes_per_step_mean"]["reduce_scatter"] for r in ranks],
-            "blas": summary["blas"]}
+from benchlib import add_job_options, cai_figures, peer_command, run_cai, run_peer
 
 
 def run_fsdp(build, args, work, index):
     table = f'\n[plugin.fsdp]\nsharding_strategy = "{args.strategy}"\n'
     if args.prefetch:
         table += 'forward_prefetch = true\nbackward_prefetch = "pre"\n'
-    return cai_figures(run_cai(build, args, work, f"fsdp-{index}", "fsdp", table))
+    summary = run_cai(build, args, work / f"fsdp-{index}", "fsdp", table)
+    ranks = summary["ranks"]
+    return dict(cai_figures(summary),
+                gathered=[r["comm_bytes_per_step_mean"]["all_gather"] for r in ranks],
+                reduced=[r["comm_bytes_per_step_mean"]["reduce_scatter"] for r in ranks])
 
 
 def run_zero2(build, args, work, index):
     table = "\n[plugin.low_level_zero]\nstage = 2\n"
-    return cai_figures(run_cai(build, args, work, f"zero-{index}", "low_level_zero", table))
+    return cai_figures(run_cai(build, args, work / f"zero-{index}", "low_level_zero", table))
 
 
 def main():
@@ -66,8 +57,8 @@ def main():
     with tempfile.TemporaryDirectory(prefix="fsdp_bench_") as tmp:
         for i in range(args.pairs):
             fsdp = run_fsdp(build, args, Path(tmp), i)
-            ddp = run_peer_command(args, peer_command(args, "ddp_gpt2_torch.py"))
-            zero = run_peer_command(args, peer_command(args, "zero_gpt2_torch.py"))
+            ddp = run_peer(args, peer_command(args, "ddp_gpt2_torch.py"))
+            zero = run_peer(args, peer_command(args, "zero_gpt2_torch.py"))
             lz2 = run_zero2(build, args, Path(tmp), i)
             for name, peer in (("ddp", ddp), ("zero", zero), ("lz2", lz2)):
                 ratios["tok_" + name].append(fsdp["tokens_per_s"] / peer["tokens_per_s"])

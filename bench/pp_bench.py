@@ -4,11 +4,8 @@
 on Gloo isend/irecv) and against PyTorch's own Pipe (bench/peers/gpipe_gpt2_torch.py: GPipe,
 single-process, two threads), and the pipeline bubble measured against its formula.
 
-Protocol as bench/ddp_bench.py: 2 ranks on this machine, one thread per rank, the runs of a
-pair one after the other so that load drifting on a shared machine hits both alike; each figure
-is the median over pairs of the per-pair ratio with its min-max range. Per run: tokens/s
-(global tokens per step over the median step time after the first step, the same definition on
-both sides) and the largest peak RSS of a rank.
+The protocol, job and runners of bench/benchlib.py; each figure is the median over pairs of
+the per-pair ratio with its min-max range. Per run: tokens/s and the largest peak RSS of a rank.
 
 Bubble: cai's plugin logs each pipeline rank's busy time (inside its stages' forward and
 backward) over the time in execute_pipeline; 1 - busy/total is the measured bubble fraction,
@@ -16,43 +13,28 @@ compared with 1F1B's (p - 1)/(m + p - 1) and interleaved's (p - 1)/(v·m + p - 1
 m = 4, 8, 16 (--bubble).
 
 usage: bench/pp_bench.py BUILD_DIR [--pairs 5 (0: bubble only)] [--steps 12] [--microbatches 8]
-                         [job sizes of ddp_bench.py] [--bubble]
+                         [job sizes of benchlib.py] [--bubble]
 """
 import argparse
-import json
 import re
-import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 
-from ddp_bench import add_job_options, environment, peer_command, run_peer_command, JOB
+from benchlib import (add_job_options, cai_figures, format_spread, peer_command, run_cai,
+                      run_peer, spread)
 
 
-def run_cai(build, args, work, index, m, extra=""):
-    job = work / "job.toml"
-    job.write_text(JOB.format(**vars(args)) +
-                   f"\n[plugin.hybrid_parallel]\npp_size = 2\n{extra}")
+def run_pipeline(build, args, work, index, m, extra=""):
     run_dir = work / f"cai-{index}"
-    env = dict(environment(args),
-               CAI_PLUGIN_FILES=str(build / "lib" / "cai" / "plugins" / "hybrid_parallel.toml"))
-    subprocess.run([str(build / "bin" / "cai"), "train", str(job), "--nproc", "2", "--run-dir",
-                    str(run_dir), "--set", "plugin.name=hybrid_parallel", "--set",
-                    f"train.grad_accum={m}"], env=env, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=900)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_cai(build, args, run_dir, "hybrid_parallel",
+                      f"\n[plugin.hybrid_parallel]\npp_size = 2\n{extra}",
+                      sets=(f"train.grad_accum={m}",))
     bubbles = []
     for log in sorted((run_dir / "logs").glob("rank-*.log")):
         found = re.search(r"bubble fraction ([0-9.e-]+)", log.read_text())
         if found:
             bubbles.append(float(found.group(1)))
-    return {"tokens_per_s": summary["tokens_per_s"],
-            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in summary["ranks"]),
-            "bubble": bubbles, "blas": summary["blas"]}
-
-
-def spread(values):
-    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+    return dict(cai_figures(summary), bubble=bubbles)
 
 
 def main():
@@ -70,11 +52,11 @@ def main():
           f"{'cai RSS MiB':>11} {'1f1b':>7} {'gpipe':>7} {'bubble cai':>16} {'1f1b':>16}")
     with tempfile.TemporaryDirectory(prefix="pp_bench_") as tmp:
         for i in range(args.pairs):
-            cai = run_cai(build, args, Path(tmp), i, m)
+            cai = run_pipeline(build, args, Path(tmp), i, m)
             cmd = peer_command(args, "pp_gpt2_torch.py") + ["--microbatches", str(m)]
-            torch = run_peer_command(args, cmd)
+            torch = run_peer(args, cmd)
             cmd = peer_command(args, "gpipe_gpt2_torch.py") + ["--microbatches", str(m)]
-            gpipe = run_peer_command(args, cmd)
+            gpipe = run_peer(args, cmd)
             tok.append(cai["tokens_per_s"] / torch["tokens_per_s"])
             rss.append(cai["peak_rss_bytes"] / torch["peak_rss_bytes"])
             tok_gpipe.append(cai["tokens_per_s"] / gpipe["tokens_per_s"])
@@ -89,10 +71,11 @@ def main():
         if tok:
             print(f"BLAS (cai rank 0; the peer's torch loads the same libblas.so.3): "
                   f"{cai['blas']}")
-            print(f"tokens/s cai/torch 1F1B: median {spread(tok)} (target >= 1.2); "
-                  f"peak RSS cai/torch 1F1B: median {spread(rss)} (target <= 1)")
+            print(f"tokens/s cai/torch 1F1B: median {format_spread(spread(tok))} (target >= 1.2); "
+                  f"peak RSS cai/torch 1F1B: median {format_spread(spread(rss))} (target <= 1)")
             print(f"tokens/s cai/torch GPipe (Pipe, 1 process, 2 threads): median "
-                  f"{spread(tok_gpipe)}; peak RSS cai/GPipe: median {spread(rss_gpipe)}")
+                  f"{format_spread(spread(tok_gpipe))}; peak RSS cai/GPipe: median "
+                  f"{format_spread(spread(rss_gpipe))}")
         if args.bubble:
             print(f"\n{'schedule':>12} {'m':>3} {'measured bubble (rank 0, rank 1)':>34} "
                   f"{'formula':>8}")
@@ -100,7 +83,7 @@ def main():
                 for mb in (4, 8, 16):
                     extra = (f'pp_style = "interleaved"\nnum_model_chunks = {v}\n'
                              if v > 1 else "")
-                    r = run_cai(build, args, Path(tmp), f"bubble-{style}-{mb}", mb, extra)
+                    r = run_pipeline(build, args, Path(tmp), f"bubble-{style}-{mb}", mb, extra)
                     formula = (2 - 1) / (v * mb + 2 - 1)
                     print(f"{style:>12} {mb:>3} {str([round(b, 3) for b in r['bubble']]):>34} "
                           f"{formula:>8.3f}", flush=True)

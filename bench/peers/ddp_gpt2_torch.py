@@ -1,7 +1,8 @@
 #!/usr/bin/python3
-"""The PyTorch peer of bench/ddp_bench.sh: GPT-2 under torch.nn.parallel.DistributedDataParallel
-(Gloo, CPU) with the same architecture, sizes, optimizer and batch as the cai job, so the two
-runs do the same arithmetic and move the same gradient bytes.
+"""The PyTorch peer torch-ddp of bench/run.py and bench/fsdp_bench.py: GPT-2 under
+torch.nn.parallel.DistributedDataParallel (Gloo, CPU) with the same architecture, sizes,
+optimizer and batch as the cai job, so the two runs do the same arithmetic and move the same
+gradient bytes.
 
 The model is cai's zoo GPT-2 (host/src/model/zoo.cpp) written with the same ops: learned
 positions, pre-LayerNorm blocks, fused qkv, attention as matmul + causal mask + softmax (torch
@@ -11,7 +12,7 @@ the token embedding. AdamW with decay on matrices only, clipping by global norm,
 Prints one JSON line from rank 0: tokens/s (global tokens per step over the median step time
 after the first step) and each rank's peak RSS in bytes (getrusage ru_maxrss).
 
-Run by bench/ddp_bench.sh with OMP_NUM_THREADS=1; by hand:
+Run by bench/run.py with OMP_NUM_THREADS=1; by hand:
   OMP_NUM_THREADS=1 /usr/bin/python3 bench/peers/ddp_gpt2_torch.py --nproc 2 --steps 12
 """
 import argparse
@@ -22,13 +23,18 @@ import os
 import resource
 import socket
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchlib import add_model_options  # noqa: E402  (the sizes cai's side takes, one definition)
 
 
 class Block(nn.Module):
@@ -121,15 +127,7 @@ def rank_main(rank, args, port, results, make_optimizer=adamw, peer="torch_ddp")
 def parser(description):
     """The options every peer shares: ranks, steps, batch, model sizes, optimizer."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--global-batch", dest="global_batch", type=int, default=16)
-    p.add_argument("--seq-len", dest="seq_len", type=int, default=128)
-    p.add_argument("--vocab-size", dest="vocab_size", type=int, default=256)
-    p.add_argument("--n-ctx", dest="n_ctx", type=int, default=128)
-    p.add_argument("--n-layer", dest="n_layer", type=int, default=4)
-    p.add_argument("--n-head", dest="n_head", type=int, default=4)
-    p.add_argument("--n-embd", dest="n_embd", type=int, default=128)
+    add_model_options(p)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", dest="weight_decay", type=float, default=0.1)
     p.add_argument("--max-grad-norm", dest="max_grad_norm", type=float, default=1.0)

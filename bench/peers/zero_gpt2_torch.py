@@ -1,8 +1,8 @@
 #!/usr/bin/python3
-"""The PyTorch peer of bench/zero_bench.py: GPT-2 under DistributedDataParallel with
-torch.distributed.optim.ZeroRedundancyOptimizer (PyTorch's ZeRO-1: gradients all-reduced by
-DDP, AdamW state sharded by parameter across ranks, updated parameters broadcast from their
-owner), Gloo on CPU.
+"""The PyTorch peer torch-zero of bench/run.py and bench/fsdp_bench.py: GPT-2 under
+DistributedDataParallel with torch.distributed.optim.ZeroRedundancyOptimizer (PyTorch's ZeRO-1:
+gradients all-reduced by DDP, AdamW state sharded by parameter across ranks, updated parameters
+broadcast from their owner), Gloo on CPU.
 
 The model is the one of bench/peers/ddp_gpt2_torch.py (cai's zoo GPT-2 written with the same
 ATen ops), imported from there; optimizer, clipping and batch as the cai job.
@@ -11,7 +11,7 @@ Prints one JSON line from rank 0: tokens/s (global tokens per step over the medi
 after the first step), each rank's peak RSS in bytes (getrusage ru_maxrss) and the model's
 parameter count.
 
-Run by bench/zero_bench.py with OMP_NUM_THREADS=1; by hand:
+Run by bench/run.py with OMP_NUM_THREADS=1; by hand:
   OMP_NUM_THREADS=1 /usr/bin/python3 bench/peers/zero_gpt2_torch.py --nproc 2 --steps 12
 """
 import os

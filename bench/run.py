@@ -1,0 +1,403 @@
+#!/usr/bin/python3
+"""cai's data-parallel strategies against their PyTorch peers on one job.
+
+Each pair runs every candidate once and, right after a candidate, its peer if that peer has not
+run yet in the pair; the candidates start in a rotated order in each pair, so that neither
+place in the sequence nor load drifting on a shared machine favours one. The figures per
+candidate are the median over pairs of the per-pair ratio against its reference, with the
+min-max range, and its absolute tokens/s, peak RSS (largest rank) and the bytes one rank hands
+to collectives per step: cai's from summary.json (comm_bytes_per_step_mean), the peers'
+analytic (they count nothing).
+
+References: ddp -> torch-ddp (DistributedDataParallel); zero1, zero2, zero2-offload, fsdp ->
+torch-zero (DDP + ZeroRedundancyOptimizer: PyTorch 1.13's FullyShardedDataParallel needs CUDA).
+The peers are GPT-2 in fp32 only; for a Llama or bf16 job the candidates are compared with the
+first of --strategies instead, and the report says so.
+
+Writes OUT/results.json (the job, the machine, every run's raw figures, the summary) and
+OUT/plot.svg (gnuplot); --write-readme, or --readme RESULTS.json alone, regenerates the section
+of bench/README.md between its run.py markers.
+
+usage: bench/run.py BUILD_DIR [--size gpt2-30m] [--strategies ddp,zero2] [--peers torch-ddp]
+                    [--precision fp32|bf16] [--pairs 5] [--steps 12] [--out DIR]
+                    [--n-layer N --n-embd N ...] [--write-readme]
+       bench/run.py --readme RESULTS.json
+"""
+import argparse
+import datetime
+import difflib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import benchlib
+
+STRATEGIES = {  # name: (plugin, its [plugin.<name>] table, PyTorch peer)
+    "ddp": ("ddp", "", "torch-ddp"),
+    "zero1": ("low_level_zero", "stage = 1\n", "torch-zero"),
+    "zero2": ("low_level_zero", "stage = 2\n", "torch-zero"),
+    "zero2-offload": ("low_level_zero", "stage = 2\ncpu_offload = true\n", "torch-zero"),
+    "fsdp": ("fsdp", 'sharding_strategy = "FULL_SHARD"\n', "torch-zero"),
+}
+
+# name: (script in bench/peers, bytes one rank hands to collectives per step in units of Ψ,
+# how). Counted as cai counts: a collective's whole buffer, fp32 gradients and parameters.
+PEERS = {
+    "torch-ddp": ("ddp_gpt2_torch.py", 4, "all-reduce of the gradients, 4Ψ"),
+    "torch-zero": ("zero_gpt2_torch.py", 8,
+                   "all-reduce of the gradients 4Ψ + broadcast of every parameter from its "
+                   "owner 4Ψ"),
+}
+
+# Global batch x seq_len is the same 2048 tokens a step for the larger sizes: enough work per
+# step for 2 ranks without exhausting a small machine's memory at 124M parameters.
+SIZES = {
+    "gpt2-tiny": dict(kind="gpt2", vocab_size=256, n_ctx=128, n_layer=4, n_head=4, n_kv_head=0,
+                      n_embd=128, global_batch=16, seq_len=128, timeout=300),
+    # GPT-2's vocabulary makes 6 x 384 the ~30M model (Ψ = 30,062,592).
+    "gpt2-30m": dict(kind="gpt2", vocab_size=50304, n_ctx=256, n_layer=6, n_head=6, n_kv_head=0,
+                     n_embd=384, global_batch=8, seq_len=256, timeout=1800),
+    "gpt2-124m": dict(kind="gpt2", vocab_size=50304, n_ctx=1024, n_layer=12, n_head=12,
+                      n_kv_head=0, n_embd=768, global_batch=8, seq_len=256, timeout=3600),
+    # Grouped-query attention with 3 query heads per key/value head; Ψ = 99,496,704.
+    "llama-100m": dict(kind="llama", vocab_size=32000, n_ctx=256, n_layer=8, n_head=12,
+                       n_kv_head=4, n_embd=768, global_batch=8, seq_len=256, timeout=3600),
+}
+
+README = benchlib.HERE / "README.md"
+BEGIN, END = "<!-- run.py:begin -->", "<!-- run.py:end -->"
+MIB = 2 ** 20
+
+
+def params(job):
+    """Ψ of cai's zoo model (host/src/model/zoo.cpp): GPT-2 with biases, learned positions and
+    the head tied to the token embedding; Llama without biases, untied head, SwiGLU of Meta's
+    hidden size."""
+    e, v, layers = job.n_embd, job.vocab_size, job.n_layer
+    if job.kind == "gpt2":
+        return v * e + job.n_ctx * e + layers * (12 * e * e + 13 * e) + 2 * e
+    kv = (job.n_kv_head or job.n_head) * (e // job.n_head)
+    ffn = 256 * ((8 * e // 3 + 255) // 256)
+    return 2 * v * e + layers * (2 * e * e + 2 * kv * e + 3 * ffn * e + 2 * e) + e
+
+
+def names(text, valid, what):
+    """The comma-separated names of text, each checked against valid."""
+    chosen = [n for n in text.split(",") if n]
+    for n in chosen:
+        if n not in valid:
+            near = difflib.get_close_matches(n, valid, 1)
+            hint = f" did you mean '{near[0]}'?" if near else ""
+            sys.exit(f"run.py: unknown {what} '{n}'.{hint} valid: {', '.join(valid)}")
+    return chosen
+
+
+def parse_args(argv):
+    sizes = argparse.ArgumentParser(add_help=False)
+    sizes.add_argument("--size", default="gpt2-30m")
+    size = sizes.parse_known_args(argv)[0].size
+    names(size, SIZES, "size")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[sizes],
+                                epilog="sizes: " + ", ".join(SIZES))
+    p.add_argument("build", type=Path, nargs="?", help="build directory with bin/cai and plugins")
+    benchlib.add_job_options(p, pairs=5)
+    p.add_argument("--model", dest="kind", choices=("gpt2", "llama"))
+    p.add_argument("--n-kv-head", dest="n_kv_head", type=int)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help="comma-separated, of " + ", ".join(STRATEGIES))
+    p.add_argument("--peers", help="comma-separated, of " + ", ".join(PEERS) +
+                   ", or none (default: the strategies' peers when they can run the job)")
+    p.add_argument("--out", type=Path, default=benchlib.HERE / "results",
+                   help="where results.json and plot.svg go")
+    p.add_argument("--write-readme", action="store_true",
+                   help="regenerate bench/README.md's section from this run's results.json")
+    p.add_argument("--readme", type=Path, metavar="RESULTS.json",
+                   help="only regenerate bench/README.md's section from RESULTS.json")
+    p.set_defaults(**SIZES[size])
+    args = p.parse_args(argv)
+    if args.readme is None and args.build is None:
+        p.error("BUILD_DIR is needed unless --readme RESULTS.json is given")
+    if args.pairs < 1:
+        p.error("--pairs must be at least 1")
+    return args
+
+
+def plan(args):
+    """(strategies, peers, reference of each strategy, notes) for the job of args."""
+    strategies = names(args.strategies, STRATEGIES, "strategy")
+    if not strategies:
+        sys.exit("run.py: --strategies names none; valid: " + ", ".join(STRATEGIES))
+    notes = []
+    why_not = []
+    if args.kind != "gpt2":
+        why_not.append(f"bench/peers implement GPT-2 only, not {args.kind}")
+    if args.precision != "fp32":
+        why_not.append(f"bench/peers train in fp32 only, not {args.precision}")
+    if args.peers is None:
+        peers = [] if why_not else list(dict.fromkeys(STRATEGIES[s][2] for s in strategies))
+    elif args.peers == "none":
+        peers = []
+    else:
+        peers = names(args.peers, PEERS, "peer")
+        if why_not:
+            sys.exit(f"run.py: no PyTorch peer can run this job ({'; '.join(why_not)}); "
+                     "leave --peers out to compare the strategies with each other")
+    refs = {}
+    for s in strategies:
+        peer = STRATEGIES[s][2]
+        refs[s] = peer if peer in peers else (strategies[0] if s != strategies[0] else None)
+    if why_not:
+        notes.append(f"No PyTorch peer ran: {'; '.join(why_not)}. This is a cai-only comparison: "
+                     f"ratios are against cai's {strategies[0]}.")
+    else:
+        unpaired = [s for s in strategies if refs[s] in STRATEGIES]
+        if unpaired:
+            notes.append(f"{', '.join(unpaired)} compared with cai's {strategies[0]}: --peers "
+                         "left out their PyTorch peer.")
+    if "zero2-offload" in strategies:
+        notes.append("zero2-offload: over Gloo on the CPU the device and host tiers are the same "
+                     "memory, so its RSS cannot drop; the row shows what the offload path costs.")
+    if "fsdp" in strategies and refs["fsdp"] == "torch-zero":
+        notes.append("fsdp is compared with torch-zero: PyTorch 1.13's FullyShardedDataParallel "
+                     "refuses to run without CUDA.")
+    for p in peers:
+        notes.append(f"{p}'s bytes/step are analytic: {PEERS[p][2]}.")
+    return strategies, peers, refs, notes
+
+
+def run_candidate(build, args, work, pair, name):
+    plugin, options, _ = STRATEGIES[name]
+    table = f"\n[plugin.{plugin}]\n{options}"
+    summary = benchlib.run_cai(build, args, work / f"pair{pair + 1}-{name}", plugin, table)
+    figures = benchlib.cai_figures(summary)
+    return dict(figures, side="cai", bytes_basis="measured", raw=summary)
+
+
+def run_peer(args, name):
+    script, psi_units, how = PEERS[name]
+    result = benchlib.run_peer(args, benchlib.peer_command(args, script))
+    return {"side": "peer", "tokens_per_s": result["tokens_per_s"],
+            "peak_rss_bytes": result["peak_rss_bytes"],
+            "bytes_per_step": psi_units * result["params"], "bytes_basis": "analytic: " + how,
+            "raw": result}
+
+
+def pair_order(pair, strategies, peers, refs):
+    """The runs of one pair: candidates rotated by the pair's index, each matching peer right
+    after its first candidate, peers that match none last."""
+    k = pair % len(strategies)
+    order = []
+    for s in strategies[k:] + strategies[:k]:
+        order.append(s)
+        if refs[s] in peers and refs[s] not in order:
+            order.append(refs[s])
+    return order + [p for p in peers if p not in order]
+
+
+def summarize(runs, strategies, peers, refs):
+    """One row per strategy and peer: median (min-max) over pairs of its figures and of its
+    per-pair ratios against its reference."""
+    by_pair = {}
+    for r in runs:
+        by_pair.setdefault(r["pair"], {})[r["name"]] = r
+    rows = []
+    for name in strategies + peers:
+        mine = [p[name] for p in by_pair.values()]
+        row = {"name": name, "side": mine[0]["side"], "reference": refs.get(name),
+               "tokens_per_s": benchlib.spread([r["tokens_per_s"] for r in mine]),
+               "peak_rss_mib": benchlib.spread([r["peak_rss_bytes"] / MIB for r in mine]),
+               "bytes_per_step": benchlib.spread([r["bytes_per_step"] for r in mine]),
+               "bytes_basis": mine[0]["bytes_basis"]}
+        if row["reference"]:
+            ref = [p[row["reference"]] for p in by_pair.values()]
+            row["ratio_tokens_per_s"] = benchlib.spread(
+                [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(mine, ref)])
+            row["ratio_peak_rss"] = benchlib.spread(
+                [a["peak_rss_bytes"] / b["peak_rss_bytes"] for a, b in zip(mine, ref)])
+        rows.append(row)
+    return rows
+
+
+def machine():
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    os_name = next((line.split("=", 1)[1].strip('"') for line in
+                    Path("/etc/os-release").read_text().splitlines()
+                    if line.startswith("PRETTY_NAME=")), platform.platform())
+    return {"nproc": os.cpu_count(), "cpu": model, "os": os_name}
+
+
+def table(result):
+    """The summary as text: the run's printout and the README's block."""
+    head = ("run", "vs", "tokens/s (min-max)", "ratio (min-max)", "peak RSS MiB (min-max)",
+            "ratio (min-max)", "B/step/rank", "")
+    rows = [head]
+    for row in result["summary"]:
+        t, m, ref = row["tokens_per_s"], row["peak_rss_mib"], row["reference"]
+        rows.append((
+            row["name"], ref or "-", f"{t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f})",
+            benchlib.format_spread(row["ratio_tokens_per_s"]) if ref else "-",
+            f"{m['median']:.1f} ({m['min']:.1f}-{m['max']:.1f})",
+            benchlib.format_spread(row["ratio_peak_rss"]) if ref else "-",
+            f"{row['bytes_per_step']['median']:.0f}",
+            "" if row["bytes_basis"] == "measured" else "analytic"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+    return "\n".join(" ".join([r[0].ljust(widths[0])] +
+                              [c.rjust(w) for c, w in zip(r[1:-1], widths[1:])] + [r[-1]])
+                     .rstrip() for r in rows)
+
+
+def describe_job(result):
+    j = result["job"]
+    heads = f"{j['n_head']} heads" + (f", {j['n_kv_head']} key/value heads" if j["n_kv_head"]
+                                      else "")
+    return (f"{j['kind']}, {j['n_layer']} layers x {j['n_embd']}, {heads}, vocabulary "
+            f"{j['vocab_size']}, n_ctx {j['n_ctx']}; Ψ = {result['psi']:,}; {j['nproc']} ranks, "
+            f"global batch {j['global_batch']} x {j['seq_len']} tokens, {j['steps']} steps, "
+            f"{j['precision']}, {result['pairs']} pairs")
+
+
+def plot(result, svg):
+    """Bars of tokens/s and peak RSS per strategy and peer, min-max as error bars (gnuplot)."""
+    rows = result["summary"]
+    data = "".join(
+        f"{i} \"{r['name']}\" {r['tokens_per_s']['median']} {r['tokens_per_s']['min']} "
+        f"{r['tokens_per_s']['max']} {r['peak_rss_mib']['median']} {r['peak_rss_mib']['min']} "
+        f"{r['peak_rss_mib']['max']} {0x1f77b4 if r['side'] == 'cai' else 0xff7f0e}\n"
+        for i, r in enumerate(rows))
+    j = result["job"]
+    title = (f"{result['size']}: Ψ = {result['psi']:,}, {j['nproc']} ranks, {j['precision']}, "
+             f"{result['pairs']} pairs")
+    script = f"""
+set terminal svg size 960,420 dynamic noenhanced font "sans,11"
+set output '{svg}'
+set multiplot layout 1,2 title "{title}"
+set style fill solid 0.7 border -1
+set xrange [-0.6:{len(rows) - 0.4}]
+set yrange [0:*]
+set xtics rotate by -30 left nomirror
+set bmargin 5
+set key off
+set grid ytics
+$d << EOD
+{data}EOD
+set title "tokens/s (median, min-max over pairs; cai blue, PyTorch orange)"
+plot $d using 1:3:4:5:(0.35):9:xtic(2) with boxerrorbars lc rgb variable
+set title "peak RSS of the largest rank, MiB"
+plot $d using 1:6:7:8:(0.35):9:xtic(2) with boxerrorbars lc rgb variable
+unset multiplot
+"""
+    subprocess.run(["gnuplot"], input=script, text=True, check=True)
+
+
+def readme_section(result, results_path):
+    plot_path = results_path.resolve().parent / result["plot"]
+    link = os.path.relpath(plot_path, README.parent)
+    m = result["machine"]
+    lines = [
+        BEGIN,
+        "## All strategies against their PyTorch peers (bench/run.py)",
+        "",
+        f"Generated by `bench/run.py --readme {os.path.relpath(results_path, README.parent.parent)}"
+        "` from the run's results.json; edit run.py, not this section.",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        f"- Date: {result['date']}; load average {result['load_average'][0]:.1f} at the start, "
+        f"{result['load_average'][1]:.1f} at the end.",
+        f"- Machine: {m['os']}, {m['nproc']} CPUs ({m['cpu']}).",
+        f"- BLAS (cai rank 0): `{result['blas']}`.",
+        f"- Job: {describe_job(result)}.",
+        "",
+        "Per strategy and peer: median (min-max) over pairs; ratios are of the per-pair ratio "
+        "against the run named under `vs`; peak RSS is the largest rank's; B/step/rank the "
+        "bytes one rank hands to collectives per step.",
+        "",
+        "```",
+        table(result),
+        "```",
+        "",
+    ]
+    lines += [f"- {n}" for n in result["notes"]]
+    lines += ["", f"![tokens/s and peak RSS per strategy]({link})", END]
+    return "\n".join(lines)
+
+
+def write_readme(results_path):
+    result = json.loads(results_path.read_text())
+    text = README.read_text()
+    begin, end = text.find(BEGIN), text.find(END)
+    if begin < 0 or end < begin:
+        sys.exit(f"run.py: {README} has no '{BEGIN}' ... '{END}' section to replace; "
+                 "add the two lines where the section belongs")
+    README.write_text(text[:begin] + readme_section(result, results_path) +
+                      text[end + len(END):])
+    print(f"run.py: regenerated the section of {README} from {results_path}")
+
+
+def main():
+    args = parse_args(sys.argv[1:])
+    if args.readme:
+        write_readme(args.readme)
+        return
+    build = args.build.resolve()
+    strategies, peers, refs, notes = plan(args)
+    for plugin in {STRATEGIES[s][0] for s in strategies}:
+        if not (build / "lib" / "cai" / "plugins" / f"{plugin}.toml").is_file():
+            sys.exit(f"run.py: {build} has no lib/cai/plugins/{plugin}.toml; build it first")
+    job = {k: getattr(args, k) for k in ("kind", "vocab_size", "n_ctx", "n_layer", "n_head",
+                                         "n_kv_head", "n_embd", "global_batch", "seq_len",
+                                         "steps", "precision", "nproc")}
+    psi = params(args)
+    changed = [k for k, v in SIZES[args.size].items() if getattr(args, k) != v]
+    size = ", ".join([args.size] + [f"{k} {getattr(args, k)}" for k in changed])
+    print(f"{', '.join(strategies)} against {', '.join(peers) or 'no PyTorch peer'}; "
+          f"{size}; Ψ = {psi:,}", flush=True)
+    load_start = os.getloadavg()[0]
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="run_py_") as tmp:
+        for pair in range(args.pairs):
+            for name in pair_order(pair, strategies, peers, refs):
+                r = (run_candidate(build, args, Path(tmp), pair, name) if name in STRATEGIES
+                     else run_peer(args, name))
+                runs.append(dict(r, pair=pair, name=name))
+                print(f"pair {pair + 1}  {name:14} {r['tokens_per_s']:9.0f} tokens/s "
+                      f"{r['peak_rss_bytes'] / MIB:8.1f} MiB {r['bytes_per_step']:12.0f} B/step",
+                      flush=True)
+                if r["side"] == "peer" and r["raw"]["params"] != psi:
+                    sys.exit(f"run.py: {name} trained {r['raw']['params']:,} parameters, cai's "
+                             f"model has {psi:,}: the peer does not build the same model")
+    notes += [f"{r['name']} hung in Gloo in pair {r['pair'] + 1} and was killed after "
+              f"{args.timeout} s and run again ({r['raw']['reruns']} time(s))."
+              for r in runs if r["side"] == "peer" and r["raw"]["reruns"]]
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "command": "bench/run.py " + shlex.join(sys.argv[1:]),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine(), "load_average": [load_start, os.getloadavg()[0]],
+        "blas": next(r["blas"] for r in runs if r["side"] == "cai"),
+        "size": size, "job": job, "psi": psi, "pairs": args.pairs, "strategies": strategies,
+        "peers": peers,
+        "notes": notes, "plot": "plot.svg", "runs": runs,
+        "summary": summarize(runs, strategies, peers, refs),
+    }
+    results_path = args.out / "results.json"
+    results_path.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out / result["plot"])
+    print(table(result))
+    for n in notes:
+        print("note:", n)
+    print(f"run.py: wrote {results_path} and {args.out / result['plot']}")
+    if args.write_readme:
+        write_readme(results_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+#!/usr/bin/python3
+"""bench/run.py's plan, statistics and generated README section, without running cai or
+PyTorch."""
+import argparse
+import io
+import json
+import sys
+import tempfile
+import unittest
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import run  # noqa: E402
+
+
+def fake_run(pair, name, tokens, rss_mib, side="cai"):
+    return {"pair": pair, "name": name, "side": side, "tokens_per_s": tokens,
+            "peak_rss_bytes": rss_mib * run.MIB, "bytes_per_step": 400,
+            "bytes_basis": "measured" if side == "cai" else "analytic: 4Ψ"}
+
+
+def result_of(runs, strategies, peers, refs):
+    return {"command": "bench/run.py build --pairs 3", "date": "2026-12-03T12:00:00+00:00",
+            "machine": {"nproc": 2, "cpu": "AMD EPYC", "os": "Debian GNU/Linux 12 (bookworm)"},
+            "load_average": [1.0, 2.0], "blas": "/usr/lib/libopenblas.so", "size": "gpt2-tiny",
+            "job": dict(run.SIZES["gpt2-tiny"], steps=12, precision="fp32", nproc=2),
+            "psi": 842496, "pairs": 3, "strategies": strategies, "peers": peers,
+            "notes": ["a note"], "plot": "plot.svg", "runs": runs,
+            "summary": run.summarize(runs, strategies, peers, refs)}
+
+
+class RunPyTest(unittest.TestCase):
+    def test_Summary_IsMedianAndRangeOfPerPairRatios(self):
+        runs = []
+        for pair, (cai, torch) in enumerate(((100, 50), (90, 100), (120, 80))):
+            runs += [fake_run(pair, "ddp", cai, 200), fake_run(pair, "torch-ddp", torch, 400,
+                                                               "peer")]
+        rows = run.summarize(runs, ["ddp"], ["torch-ddp"], {"ddp": "torch-ddp"})
+        ddp, peer = rows
+        self.assertEqual(ddp["ratio_tokens_per_s"], {"median": 1.5, "min": 0.9, "max": 2.0})
+        self.assertEqual(ddp["tokens_per_s"], {"median": 100, "min": 90, "max": 120})
+        self.assertEqual(ddp["ratio_peak_rss"]["median"], 0.5)
+        self.assertIsNone(peer["reference"])
+        self.assertNotIn("ratio_tokens_per_s", peer)
+
+    def test_PairOrder_RotatesCandidatesAndRunsEachPeerOnceAfterItsFirstCandidate(self):
+        strategies = ["ddp", "zero1", "fsdp"]
+        refs = {"ddp": "torch-ddp", "zero1": "torch-zero", "fsdp": "torch-zero"}
+        peers = ["torch-ddp", "torch-zero"]
+        self.assertEqual(run.pair_order(0, strategies, peers, refs),
+                         ["ddp", "torch-ddp", "zero1", "torch-zero", "fsdp"])
+        self.assertEqual(run.pair_order(1, strategies, peers, refs),
+                         ["zero1", "torch-zero", "fsdp", "ddp", "torch-ddp"])
+
+    def test_Plan_LlamaOrBf16_ComparesWithFirstStrategyAndSaysWhy(self):
+        for kind, precision in (("llama", "fp32"), ("gpt2", "bf16")):
+            args = argparse.Namespace(strategies="ddp,zero2", peers=None, kind=kind,
+                                      precision=precision)
+            strategies, peers, refs, notes = run.plan(args)
+            self.assertEqual(peers, [])
+            self.assertEqual(refs, {"ddp": None, "zero2": "ddp"})
+            self.assertIn("cai-only comparison", notes[0])
+
+    def test_Plan_ExplicitPeerForLlama_Refused(self):
+        args = argparse.Namespace(strategies="ddp", peers="torch-ddp", kind="llama",
+                                  precision="fp32")
+        with self.assertRaises(SystemExit) as e:
+            run.plan(args)
+        self.assertIn("GPT-2 only", str(e.exception.code))
+
+    def test_UnknownNames_ExitWithNearestAndValidOnes(self):
+        with self.assertRaises(SystemExit) as e:
+            run.names("ddp,zero3", run.STRATEGIES, "strategy")
+        self.assertIn("unknown strategy 'zero3'. did you mean 'zero2'?", e.exception.code)
+        self.assertIn("valid: ddp, zero1, zero2, zero2-offload, fsdp", e.exception.code)
+        with redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
+            run.parse_args(["build", "--size", "gpt2-3m"])
+
+    def test_SizeOptions_OverridePreset(self):
+        args = run.parse_args(["build", "--size", "llama-100m", "--n-layer", "2"])
+        self.assertEqual((args.kind, args.n_layer, args.n_kv_head), ("llama", 2, 4))
+
+    def test_Params_MatchCaiModels(self):
+        # 842,496: the peers' count for this job (bench/README.md); 557,696: cai's summary.json
+        # (strategy_bytes params / 4 under ddp) for the Llama below.
+        self.assertEqual(run.params(argparse.Namespace(**run.SIZES["gpt2-tiny"])), 842496)
+        llama = argparse.Namespace(kind="llama", vocab_size=256, n_ctx=128, n_layer=2, n_head=4,
+                                   n_kv_head=2, n_embd=128)
+        self.assertEqual(run.params(llama), 557696)
+
+    def test_Readme_SectionReplacedBetweenMarkersOnly(self):
+        runs = [fake_run(0, "ddp", 100, 200), fake_run(0, "torch-ddp", 50, 400, "peer")]
+        result = result_of(runs, ["ddp"], ["torch-ddp"], {"ddp": "torch-ddp"})
+        with tempfile.TemporaryDirectory() as tmp:
+            readme = Path(tmp) / "README.md"
+            readme.write_text(f"before\n{run.BEGIN}\nold\n{run.END}\nafter\n")
+            results = Path(tmp) / "results" / "results.json"
+            results.parent.mkdir()
+            results.write_text(json.dumps(result))
+            saved, run.README = run.README, readme
+            try:
+                with redirect_stdout(io.StringIO()):
+                    run.write_readme(results)
+                    once = readme.read_text()
+                    run.write_readme(results)
+            finally:
+                run.README = saved
+            self.assertEqual(readme.read_text(), once)
+        self.assertTrue(once.startswith(f"before\n{run.BEGIN}\n## "))
+        self.assertTrue(once.endswith(f"{run.END}\nafter\n"))
+        self.assertNotIn("old", once)
+        for needed in ("`bench/run.py build --pairs 3`", "2026-12-03", "/usr/lib/libopenblas.so",
+                       "2 CPUs (AMD EPYC)", "Ψ = 842,496", "2.000 (2.000-2.000)", "a note",
+                       "](results/plot.svg)"):
+            self.assertIn(needed, once)
+
+    def test_Readme_WithoutMarkers_ExitsSayingWhatToAdd(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            readme = Path(tmp) / "README.md"
+            readme.write_text("no markers\n")
+            results = Path(tmp) / "results.json"
+            results.write_text(json.dumps(result_of([fake_run(0, "ddp", 1, 1)], ["ddp"], [],
+                                                    {"ddp": None})))
+            saved, run.README = run.README, readme
+            try:
+                with self.assertRaises(SystemExit) as e:
+                    run.write_readme(results)
+            finally:
+                run.README = saved
+        self.assertIn(run.BEGIN, e.exception.code)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -86,6 +86,34 @@ def params(job):
     return 2 * v * e + layers * (2 * e * e + 2 * kv * e + 3 * ffn * e + 2 * e) + e
 
 
+def shapes(job):
+    """The matmul widths of the model (bench/sgemm_peak.py's arguments)."""
+    e = job.n_embd
+    if job.kind == "gpt2":
+        return {"ffn": 4 * e, "qkv": 3 * e}
+    kv = (job.n_kv_head or job.n_head) * (e // job.n_head)
+    return {"ffn": 256 * ((8 * e // 3 + 255) // 256), "qkv": e + 2 * kv}
+
+
+def flops_per_token(job, psi):
+    """Training FLOPs per token: 6Ψ for the weights' matmuls forward and backward, plus
+    attention's 12·layers·d·T (PaLM's appendix B; the formula cai train's MFU uses)."""
+    return 6 * psi + 12 * job.n_layer * job.n_embd * job.seq_len
+
+
+def sgemm_peak(job):
+    """bench/sgemm_peak.py for the model's shapes at one rank's micro-batch (one thread, as each
+    rank computes): GFLOP/s per shape and their maximum."""
+    tokens = job.global_batch // job.nproc * job.seq_len
+    w = shapes(job)
+    cmd = ["/usr/bin/python3", str(benchlib.HERE / "sgemm_peak.py"), "--tokens", str(tokens),
+           "--n-embd", str(job.n_embd), "--ffn", str(w["ffn"]), "--qkv", str(w["qkv"]),
+           "--vocab", str(job.vocab_size)]
+    out = subprocess.run(cmd, env=benchlib.environment(), check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def names(text, valid, what):
     """The comma-separated names of text, each checked against valid."""
     chosen = [n for n in text.split(",") if n]
@@ -213,6 +241,7 @@ def summarize(runs, strategies, peers, refs):
                "tokens_per_s": benchlib.spread([r["tokens_per_s"] for r in mine]),
                "peak_rss_mib": benchlib.spread([r["peak_rss_bytes"] / MIB for r in mine]),
                "bytes_per_step": benchlib.spread([r["bytes_per_step"] for r in mine]),
+               "mfu": benchlib.spread([r["mfu"] for r in mine]),
                "bytes_basis": mine[0]["bytes_basis"]}
         if row["reference"]:
             ref = [p[row["reference"]] for p in by_pair.values()]
@@ -237,7 +266,7 @@ def machine():
 def table(result):
     """The summary as text: the run's printout and the README's block."""
     head = ("run", "vs", "tokens/s (min-max)", "ratio (min-max)", "peak RSS MiB (min-max)",
-            "ratio (min-max)", "B/step/rank", "")
+            "ratio (min-max)", "MFU", "B/step/rank", "")
     rows = [head]
     for row in result["summary"]:
         t, m, ref = row["tokens_per_s"], row["peak_rss_mib"], row["reference"]
@@ -246,6 +275,7 @@ def table(result):
             benchlib.format_spread(row["ratio_tokens_per_s"]) if ref else "-",
             f"{m['median']:.1f} ({m['min']:.1f}-{m['max']:.1f})",
             benchlib.format_spread(row["ratio_peak_rss"]) if ref else "-",
+            f"{100 * row['mfu']['median']:.1f}%",
             f"{row['bytes_per_step']['median']:.0f}",
             "" if row["bytes_basis"] == "measured" else "analytic"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
@@ -301,6 +331,7 @@ def readme_section(result, results_path):
     plot_path = results_path.resolve().parent / result["plot"]
     link = os.path.relpath(plot_path, README.parent)
     m = result["machine"]
+    peaks = ", ".join(f"{s['peak_gflops']:.1f}" for s in result["sgemm"])
     lines = [
         BEGIN,
         "## All strategies against their PyTorch peers (bench/run.py)",
@@ -314,6 +345,10 @@ def readme_section(result, results_path):
         f"{result['load_average'][1]:.1f} at the end.",
         f"- Machine: {m['os']}, {m['nproc']} CPUs ({m['cpu']}).",
         f"- BLAS (cai rank 0): `{result['blas']}`.",
+        f"- sgemm bound (bench/sgemm_peak.py, one thread, the model's matmul shapes, before and "
+        f"after the pairs): {peaks} "
+        f"GFLOP/s; MFU = {result['flops_per_token']:,} FLOPs/token (6Ψ + 12·layers·d·T) × "
+        f"tokens/s / (ranks × the higher).",
         f"- Job: {describe_job(result)}.",
         "",
         "Per strategy and peer: median (min-max) over pairs; ratios are of the per-pair ratio "
@@ -361,6 +396,8 @@ def main():
     print(f"{', '.join(strategies)} against {', '.join(peers) or 'no PyTorch peer'}; "
           f"{size}; Ψ = {psi:,}", flush=True)
     load_start = os.getloadavg()[0]
+    # The sgemm bound, measured before and after the pairs; MFU is against the higher.
+    sgemm = [sgemm_peak(args)]
     runs = []
     with tempfile.TemporaryDirectory(prefix="run_py_") as tmp:
         for pair in range(args.pairs):
@@ -374,6 +411,11 @@ def main():
                 if r["side"] == "peer" and r["raw"]["params"] != psi:
                     sys.exit(f"run.py: {name} trained {r['raw']['params']:,} parameters, cai's "
                              f"model has {psi:,}: the peer does not build the same model")
+    sgemm.append(sgemm_peak(args))
+    peak = max(m["peak_gflops"] for m in sgemm) * 1e9
+    flops = flops_per_token(args, psi)
+    for r in runs:
+        r["mfu"] = flops * r["tokens_per_s"] / (args.nproc * peak)
     notes += [f"{r['name']} hung in Gloo in pair {r['pair'] + 1} and was killed after "
               f"{args.timeout} s and run again ({r['raw']['reruns']} time(s))."
               for r in runs if r["side"] == "peer" and r["raw"]["reruns"]]
@@ -384,7 +426,7 @@ def main():
         "machine": machine(), "load_average": [load_start, os.getloadavg()[0]],
         "blas": next(r["blas"] for r in runs if r["side"] == "cai"),
         "size": size, "job": job, "psi": psi, "pairs": args.pairs, "strategies": strategies,
-        "peers": peers,
+        "peers": peers, "sgemm": sgemm, "flops_per_token": flops,
         "notes": notes, "plot": "plot.svg", "runs": runs,
         "summary": summarize(runs, strategies, peers, refs),
     }

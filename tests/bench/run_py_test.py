@@ -16,7 +16,7 @@ import run  # noqa: E402
 
 def fake_run(pair, name, tokens, rss_mib, side="cai"):
     return {"pair": pair, "name": name, "side": side, "tokens_per_s": tokens,
-            "peak_rss_bytes": rss_mib * run.MIB, "bytes_per_step": 400,
+            "peak_rss_bytes": rss_mib * run.MIB, "bytes_per_step": 400, "mfu": tokens / 1000,
             "bytes_basis": "measured" if side == "cai" else "analytic: 4Ψ"}
 
 
@@ -26,6 +26,7 @@ def result_of(runs, strategies, peers, refs):
             "load_average": [1.0, 2.0], "blas": "/usr/lib/libopenblas.so", "size": "gpt2-tiny",
             "job": dict(run.SIZES["gpt2-tiny"], steps=12, precision="fp32", nproc=2),
             "psi": 842496, "pairs": 3, "strategies": strategies, "peers": peers,
+            "sgemm": [{"peak_gflops": 61.25}, {"peak_gflops": 58.5}], "flops_per_token": 5842944,
             "notes": ["a note"], "plot": "plot.svg", "runs": runs,
             "summary": run.summarize(runs, strategies, peers, refs)}
 
@@ -81,6 +82,13 @@ class RunPyTest(unittest.TestCase):
         args = run.parse_args(["build", "--size", "llama-100m", "--n-layer", "2"])
         self.assertEqual((args.kind, args.n_layer, args.n_kv_head), ("llama", 2, 4))
 
+    def test_FlopsPerToken_IsSixPsiPlusAttention(self):
+        job = argparse.Namespace(**dict(run.SIZES["gpt2-tiny"], nproc=2))
+        self.assertEqual(run.flops_per_token(job, 842496), 6 * 842496 + 12 * 4 * 128 * 128)
+        self.assertEqual(run.shapes(job), {"ffn": 512, "qkv": 384})
+        llama = argparse.Namespace(kind="llama", n_embd=768, n_head=12, n_kv_head=4)
+        self.assertEqual(run.shapes(llama), {"ffn": 2048, "qkv": 768 + 2 * 256})
+
     def test_Params_MatchCaiModels(self):
         # 842,496: the peers' count for this job (bench/README.md); 557,696: cai's summary.json
         # (strategy_bytes params / 4 under ddp) for the Llama below.
@@ -112,7 +120,8 @@ class RunPyTest(unittest.TestCase):
         self.assertNotIn("old", once)
         for needed in ("`bench/run.py build --pairs 3`", "2026-12-03", "/usr/lib/libopenblas.so",
                        "2 CPUs (AMD EPYC)", "Ψ = 842,496", "2.000 (2.000-2.000)", "a note",
-                       "](results/plot.svg)"):
+                       "](results/plot.svg)", "61.2, 58.5 GFLOP/s", "5,842,944 FLOPs/token",
+                       " 10.0% "):
             self.assertIn(needed, once)
 
     def test_Readme_WithoutMarkers_ExitsSayingWhatToAdd(self):

@@ -63,7 +63,9 @@ TEST(TrustedLoading, LibraryReplacedAfterInspection_IsRefusedBySha256AtLoad) {
 
   dir.ReplaceWith(HELLO_SO, Lib(C_REPLICA_SO));
   try {
-    cai::LoadPlugin(record.manifest, cai::MakeHostApi({}));
+    // A host table lives for the process (plugins keep the pointer), as the host's does.
+    static const cai_host_api* const host = cai::MakeHostApi({});
+    cai::LoadPlugin(record.manifest, host);
     ADD_FAILURE() << "loaded a library whose sha256 no longer matches its manifest";
   } catch (const cai::Error& e) {
     EXPECT_EQ(e.code(), CAI_DATA_LOSS);

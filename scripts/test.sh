@@ -11,3 +11,5 @@ ctest --test-dir "$build" --output-on-failure -j "$(nproc)" --timeout 900
 # A short run of each fuzz target over its kept corpus (scripts/fuzz.sh; 10 minutes each by
 # default when run by hand).
 scripts/fuzz.sh --seconds "${CAI_FUZZ_SECONDS:-20}"
+# The host, SDK, ABI and plugin suites again, built with ASan and UBSan (scripts/sanitize.sh).
+scripts/sanitize.sh

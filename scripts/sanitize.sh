@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds cai with AddressSanitizer and UndefinedBehaviorSanitizer (gcc, -fsanitize=address,undefined,
+# every report fatal) into build-asan and runs the host, SDK, ABI and plugin suites there: the
+# cai binary, the plugins it loads and every test program are instrumented; LibTorch, Gloo and
+# OpenBLAS are not (their bugs are not ours to find, and ASan only sees what they do through
+# malloc). Leaks are reported at exit of every instrumented process; the few that belong to
+# the uninstrumented libraries are listed, with why, in tests/sanitize/lsan.supp.
+# Left out: what runs no code of ours (the packaging test, which builds its own packages; the
+# out-of-tree SDK build; clang-format) and what repeats the same code for minutes (the default
+# job's full training run; the 50 kills in saves, whose resumes the resume matrix runs).
+# usage: scripts/sanitize.sh [ctest arguments...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${CAI_ASAN_BUILD_DIR:-build-asan}
+source scripts/ccache-env.sh "$PWD"
+if [[ ! -f $build/build.ninja ]]; then
+  # No CUDA objects (nvcc does not take gcc's sanitizers) and no benchmarks: neither is run.
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCAI_SANITIZE=address,undefined -DCAI_WITH_CUDA=OFF -DCAI_BUILD_BENCH=OFF >/dev/null
+fi
+jobs=$(( $(nproc) < 8 ? $(nproc) : 8 ))
+cmake --build "$build" -j "$jobs"
+supp=$PWD/tests/sanitize
+# detect_container_overflow=0: libstdc++ containers are annotated only in instrumented code,
+# and LibTorch's uninstrumented inlines resize the same vectors (ASan's documented false
+# positive). abort_on_error: a report kills the process with SIGABRT, so a rank's report also
+# ends its job and fails the test, not only a log line.
+export ASAN_OPTIONS=detect_leaks=1:detect_container_overflow=0:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=0
+export LSAN_OPTIONS=suppressions=$supp/lsan.supp:print_suppressions=0
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp
+ctest --test-dir "$build" --output-on-failure -j "$(nproc)" --timeout 1800 -LE packaging \
+  -E '^(Train\.DefaultJob_LearnsBelowStatedLoss|Shards/KillInSave\..*|Style_.*|Sdk_ExamplePlugin_BuildsOutOfTree.*)$' \
+  "$@"

@@ -43,6 +43,9 @@ STRATEGIES = {  # name: (plugin, its [plugin.<name>] table, PyTorch peer)
     "zero2": ("low_level_zero", "stage = 2\n", "torch-zero"),
     "zero2-offload": ("low_level_zero", "stage = 2\ncpu_offload = true\n", "torch-zero"),
     "fsdp": ("fsdp", 'sharding_strategy = "FULL_SHARD"\n', "torch-zero"),
+    # The reduce-scatter waited for in backward (before/after async_reduce_scatter).
+    "fsdp-sync-rs": ("fsdp", 'sharding_strategy = "FULL_SHARD"\nasync_reduce_scatter = false\n',
+                     "torch-zero"),
 }
 
 # name: (script in bench/peers, bytes one rank hands to collectives per step in units of Ψ,
@@ -137,7 +140,7 @@ def parse_args(argv):
     p.add_argument("--model", dest="kind", choices=("gpt2", "llama"))
     p.add_argument("--n-kv-head", dest="n_kv_head", type=int)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--strategies", default=",".join(STRATEGIES),
+    p.add_argument("--strategies", default="ddp,zero1,zero2,zero2-offload,fsdp",
                    help="comma-separated, of " + ", ".join(STRATEGIES))
     p.add_argument("--peers", help="comma-separated, of " + ", ".join(PEERS) +
                    ", or none (default: the strategies' peers when they can run the job)")

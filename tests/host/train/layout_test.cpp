@@ -30,8 +30,12 @@ TrainRun Train(const std::string& name, int nproc, const std::string& plugin,
                std::vector<std::string> sets = {}) {
   sets.insert(sets.begin(), kSets.begin(), kSets.end());  // later sets win
   sets.push_back("plugin.name=" + plugin);
+  // A directory per test: ctest runs the tests in processes of their own, side by side, and
+  // each runs its own reference.
+  const fs::path dir = fs::path(CAI_LAYOUT_TEST_RUNS) /
+                       ::testing::UnitTest::GetInstance()->current_test_info()->name() / name;
   return cai::testing::RunTrain(
-      fs::path(CAI_LAYOUT_TEST_RUNS) / name, cai::testing::kTinyGptJob, nproc, sets,
+      dir, cai::testing::kTinyGptJob, nproc, sets,
       std::string(CAI_PAIRED_REPLICAS_MANIFEST) + ":" + CAI_PAIRED_PIPELINE_MANIFEST);
 }
 

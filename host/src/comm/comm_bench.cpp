@@ -57,28 +57,6 @@ double BusFactor(cai_comm_op op, int n) {
   }
 }
 
-cai_comm_args Args(cai_comm_op op, cai_reduce_op reduce, cai_tensor* in, cai_tensor* out) {
-  cai_comm_args args{};
-  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-  args.op = op;
-  args.reduce_op = reduce;
-  args.input = in;
-  args.output = out;
-  return args;
-}
-
-// The slowest rank's `seconds`: a collective takes as long as its slowest rank.
-double SlowestRank(Communicator& comm, double seconds) {
-  int64_t one = 1, stride = 1;
-  cai_tensor t{&seconds, {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_FLOAT, 64, 1}, &one, &stride, 0};
-  comm.RunSync(Args(CAI_COMM_ALL_REDUCE, CAI_REDUCE_MAX, nullptr, &t));
-  return seconds;
-}
-
-void Barrier(Communicator& comm) {
-  comm.RunSync(Args(CAI_COMM_BARRIER, CAI_REDUCE_SUM, nullptr, nullptr));
-}
-
 void Check(bool ok, const char* what) {
   if (!ok) {
     throw Error(CAI_INTERNAL, std::string("comm benchmark: ") + what + ": " + strerror(errno));
@@ -132,14 +110,8 @@ double MeasureTcpRing(Communicator& comm, size_t bytes, int reps) {
   Check(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&self), &len) == 0,
         "getsockname");
 
-  int32_t mine[2] = {static_cast<int32_t>(self.sin_addr.s_addr),
-                     static_cast<int32_t>(self.sin_port)};
-  std::vector<int32_t> all(2 * n);
-  int64_t in_shape = 2, out_shape = 2 * n, stride = 1;
-  const cai_dtype i32{CAI_DTYPE_INT, 32, 1};
-  cai_tensor in{mine, {CAI_DEVICE_CPU, 0}, 1, i32, &in_shape, &stride, 0};
-  cai_tensor out{all.data(), {CAI_DEVICE_CPU, 0}, 1, i32, &out_shape, &stride, 0};
-  comm.RunSync(Args(CAI_COMM_ALL_GATHER, CAI_REDUCE_SUM, &in, &out));
+  const int64_t mine[2] = {self.sin_addr.s_addr, self.sin_port};
+  const std::vector<int64_t> all = comm.AllGather(mine);
 
   // A connect completes against the listener's backlog, so every rank connects, then accepts.
   const int next = (comm.rank() + 1) % n;
@@ -158,7 +130,7 @@ double MeasureTcpRing(Communicator& comm, size_t bytes, int reps) {
   std::vector<char> send_buf(bytes, 1), recv_buf(bytes);
   std::vector<double> times;
   for (int i = 0; i <= reps; ++i) {
-    Barrier(comm);
+    comm.Barrier();
     const auto start = std::chrono::steady_clock::now();
     std::exception_ptr send_error;
     std::thread sender([&] {
@@ -177,8 +149,10 @@ double MeasureTcpRing(Communicator& comm, size_t bytes, int reps) {
     }
     sender.join();
     if (send_error) std::rethrow_exception(send_error);
-    const double t = SlowestRank(
-        comm, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    // The slowest rank's time: a transfer takes as long as its slowest rank.
+    const double t = comm.AllReduce(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+        CAI_REDUCE_MAX);
     if (i > 0) times.push_back(t);  // the first run grows the socket buffers
   }
   std::sort(times.begin(), times.end());
@@ -236,16 +210,22 @@ int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
         std::vector<float> out_data(big_out ? count : part, 1.0f);
         Tensor1d in(in_data);
         Tensor1d out_t(out_data);
-        const cai_comm_args args = Args(op, CAI_REDUCE_SUM, &in.tensor, &out_t.tensor);
+        cai_comm_args args{};
+        args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+        args.op = op;
+        args.reduce_op = CAI_REDUCE_SUM;
+        args.input = &in.tensor;
+        args.output = &out_t.tensor;
         const int iters = std::clamp(static_cast<int>(options.iter_bytes / (count * 4)),
                                      options.min_iters, options.max_iters);
         for (int i = 0; i < options.warmup_iters; ++i) comm->RunSync(args);
-        Barrier(*comm);
+        comm->Barrier();
         const auto start = std::chrono::steady_clock::now();
         for (int i = 0; i < iters; ++i) comm->RunSync(args);
-        const double seconds = SlowestRank(
-            *comm, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
-                       iters);
+        // The slowest rank's time is the collective's time.
+        const double seconds = comm->AllReduce(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iters,
+            CAI_REDUCE_MAX);
         const double size = static_cast<double>(count * sizeof(float));
         const double algbw = size / seconds / 1e9;
         const double busbw = algbw * BusFactor(op, n);

@@ -1238,6 +1238,42 @@ void Communicator::RunSync(const cai_comm_args& args) {
   Wait(work.get(), std::chrono::milliseconds(0));
 }
 
+void Communicator::Barrier() {
+  cai_comm_args args{};
+  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+  args.op = CAI_COMM_BARRIER;
+  RunSync(args);
+}
+
+double Communicator::AllReduce(double value, cai_reduce_op op) {
+  int64_t one = 1, stride = 1;
+  cai_tensor t{&value, {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_FLOAT, 64, 1}, &one, &stride, 0};
+  cai_comm_args args{};
+  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+  args.op = CAI_COMM_ALL_REDUCE;
+  args.reduce_op = op;
+  args.output = &t;
+  RunSync(args);
+  return value;
+}
+
+std::vector<int64_t> Communicator::AllGather(std::span<const int64_t> mine) {
+  std::vector<int64_t> in_data(mine.begin(), mine.end());
+  std::vector<int64_t> all(mine.size() * static_cast<size_t>(world_size()));
+  int64_t in_n = static_cast<int64_t>(in_data.size()), out_n = static_cast<int64_t>(all.size());
+  int64_t stride = 1;
+  const cai_dtype i64{CAI_DTYPE_INT, 64, 1};
+  cai_tensor in{in_data.data(), {CAI_DEVICE_CPU, 0}, 1, i64, &in_n, &stride, 0};
+  cai_tensor out{all.data(), {CAI_DEVICE_CPU, 0}, 1, i64, &out_n, &stride, 0};
+  cai_comm_args args{};
+  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+  args.op = CAI_COMM_ALL_GATHER;
+  args.input = &in;
+  args.output = &out;
+  RunSync(args);
+  return all;
+}
+
 cai_comm_counters Communicator::Counters(const cai_comm_group* group) const {
   return impl_->Counters(group);
 }

@@ -30,6 +30,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "cai/comm.h"
 
@@ -122,6 +123,11 @@ class Communicator {
   static void Release(cai_comm_work* work);
   // Run + Wait + Release, for synchronous callers.
   void RunSync(const cai_comm_args& args);
+  // The host's own small collectives on the world group, synchronous: a barrier, one value
+  // reduced over the ranks, and every rank's vector (all the same length) end to end.
+  void Barrier();
+  double AllReduce(double value, cai_reduce_op op);
+  std::vector<int64_t> AllGather(std::span<const int64_t> mine);
 
   // Counters since Init or the last ResetCounters, for `group` or (nullptr) for all groups,
   // destroyed ones included.

@@ -272,6 +272,7 @@ class Run {
   // Every rank's `mine` (the same length on every rank), in rank order. Collective.
   std::vector<int64_t> GatherOverRanks(std::vector<int64_t> mine);
   void Barrier();
+  static Communicator& World();
   double Evaluate();
   void SaveCheckpoint(int64_t step);
   void WriteSummary(double wall_s);
@@ -322,38 +323,22 @@ Run::CommBytes Run::Counters() {
 
 double Run::SumOverRanks(double value) {
   if (env_.world_size == 1) return value;
-  int64_t one = 1, stride = 1;
-  cai_tensor t{&value, {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_FLOAT, 64, 1}, &one, &stride, 0};
-  cai_comm_args args{};
-  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-  args.op = CAI_COMM_ALL_REDUCE;
-  args.reduce_op = CAI_REDUCE_SUM;
-  args.output = &t;
-  ThrowIfError(CommApi()->run(&args, nullptr));
-  return value;
+  return World().AllReduce(value, CAI_REDUCE_SUM);
 }
 
 std::vector<int64_t> Run::GatherOverRanks(std::vector<int64_t> mine) {
   if (env_.world_size == 1) return mine;
-  std::vector<int64_t> all(mine.size() * env_.world_size);
-  int64_t in_n = static_cast<int64_t>(mine.size()), out_n = static_cast<int64_t>(all.size());
-  int64_t stride = 1;
-  cai_tensor in{mine.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &in_n, &stride, 0};
-  cai_tensor out{all.data(), {CAI_DEVICE_CPU, 0}, 1, {CAI_DTYPE_INT, 64, 1}, &out_n, &stride, 0};
-  cai_comm_args args{};
-  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-  args.op = CAI_COMM_ALL_GATHER;
-  args.input = &in;
-  args.output = &out;
-  ThrowIfError(CommApi()->run(&args, nullptr));
-  return all;
+  return World().AllGather(mine);
 }
 
-void Run::Barrier() {
-  cai_comm_args args{};
-  args.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
-  args.op = CAI_COMM_BARRIER;
-  ThrowIfError(CommApi()->run(&args, nullptr));
+void Run::Barrier() { World().Barrier(); }
+
+Communicator& Run::World() {
+  Communicator* comm = Communicator::Get();
+  if (comm == nullptr) {
+    throw Error(CAI_FAILED_PRECONDITION, "the communicator is not initialised");
+  }
+  return *comm;
 }
 
 // Rank 0 decides and tells the others, so ranks on machines of different sizes agree: the

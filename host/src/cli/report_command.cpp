@@ -12,11 +12,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <iterator>
 #include <optional>
 #include <sstream>
 #include <vector>
 
+#include "core/files.h"
 #include "core/json.h"
 #include "core/status.h"
 
@@ -52,12 +52,6 @@ double Number(const JsonValue* v) {
   return v && v->type == JsonValue::Type::kNumber ? v->number : NAN;
 }
 
-std::string ReadText(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) throw Error(CAI_NOT_FOUND, path.string() + ": cannot be read");
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
 RunData ReadRun(const fs::path& dir) {
   if (!fs::is_directory(dir)) {
     throw Error(CAI_NOT_FOUND, dir.string() + ": no such directory; name the run directory " +
@@ -69,7 +63,7 @@ RunData ReadRun(const fs::path& dir) {
                                    " a run directory of `cai train` that has made a step?");
   }
   RunData run;
-  std::istringstream lines(ReadText(metrics));
+  std::istringstream lines(ReadTextFile(metrics));
   int number = 0;
   for (std::string line; std::getline(lines, line);) {
     ++number;
@@ -92,7 +86,7 @@ RunData ReadRun(const fs::path& dir) {
               << " not found (the run has not ended): its memory panel is left out\n";
     return run;
   }
-  const JsonValue summary = ParseJson(ReadText(summary_path), summary_path.string());
+  const JsonValue summary = ParseJson(ReadTextFile(summary_path), summary_path.string());
   if (const JsonValue* plugin = summary.Find("plugin");
       plugin && plugin->type == JsonValue::Type::kString) {
     run.title += " (" + plugin->string + ")";

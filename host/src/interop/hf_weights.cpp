@@ -12,6 +12,7 @@
 #include "checkpoint/dtype_convert.h"
 #include "checkpoint/full_params.h"
 #include "checkpoint/safetensors.h"
+#include "core/files.h"
 #include "core/json.h"
 #include "core/status.h"
 #include "interop/hf_layout.h"
@@ -52,14 +53,6 @@ void Transpose(const char* src, char* dst, int64_t rows, int64_t cols, size_t si
                   src + (static_cast<size_t>(r * cols + c)) * size, size);
     }
   }
-}
-
-std::string ReadText(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(CAI_NOT_FOUND, path.string() + ": cannot be read");
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 void WriteText(const fs::path& path, const std::string& text) {
@@ -181,7 +174,7 @@ ExportResult ExportSafetensors(const fs::path& checkpoint, const ModelConfig& co
 
 ModelConfig ReadHfConfig(const fs::path& dir) {
   const fs::path path = dir / "config.json";
-  return ModelConfigFromHf(ParseJson(ReadText(path), path.string()), path.string());
+  return ModelConfigFromHf(ParseJson(ReadTextFile(path), path.string()), path.string());
 }
 
 void LoadHfWeights(const fs::path& dir, const ModelConfig& config, Model& model) {
@@ -194,7 +187,7 @@ void LoadHfWeights(const fs::path& dir, const ModelConfig& config, Model& model)
                                           "\n`cai import " + dir.string() +
                                           "` prints the [model] keys that build it");
   }
-  const JsonValue hf_config = ParseJson(ReadText(dir / "config.json"), "config.json");
+  const JsonValue hf_config = ParseJson(ReadTextFile(dir / "config.json"), "config.json");
   const JsonValue* tie = hf_config.Find("tie_word_embeddings");
   const bool tied = tie != nullptr && tie->type == JsonValue::Type::kBool && tie->boolean;
 
@@ -204,7 +197,7 @@ void LoadHfWeights(const fs::path& dir, const ModelConfig& config, Model& model)
   std::vector<std::string> names;
   if (fs::exists(dir / kIndexFile)) {
     const fs::path index_path = dir / kIndexFile;
-    const JsonValue index = ParseJson(ReadText(index_path), index_path.string());
+    const JsonValue index = ParseJson(ReadTextFile(index_path), index_path.string());
     const JsonValue* map = index.Find("weight_map");
     if (map == nullptr || map->type != JsonValue::Type::kObject) {
       throw Error(CAI_DATA_LOSS, index_path.string() + ": no \"weight_map\" object");

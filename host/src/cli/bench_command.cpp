@@ -1,6 +1,8 @@
 #include "cli/bench_command.h"
 
+#include <exception>
 #include <iostream>
+#include <string>
 
 #include "comm/comm_bench.h"
 #include "comm/communicator.h"
@@ -12,11 +14,13 @@ namespace cai {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: cai bench comm [--nproc N] [--min-bytes B] [--max-bytes B] [--factor F]\n"
+    "usage: cai bench comm [--nproc N] [--min-bytes B] [--max-bytes B] [--factor F] [--lanes L]\n"
     "  Times every collective over sizes from --min-bytes (default 4K) to --max-bytes (256M),\n"
     "  multiplying by --factor (4), on N ranks (2) of this machine or as the rank the\n"
     "  environment names (torchrun / SLURM / Open MPI variables), and prints nccl-tests'\n"
-    "  table: time, algorithm bandwidth and bus bandwidth. Sizes take K, M or G suffixes.\n";
+    "  table: time, algorithm bandwidth and bus bandwidth. Sizes take K, M or G suffixes.\n"
+    "  --lanes: connections per peer that large collectives are split over (launch.comm_lanes,\n"
+    "  default 2).\n";
 
 size_t ParseBytes(const std::string& text) {
   size_t pos = 0;
@@ -44,6 +48,7 @@ int RunBenchCommand(const GlobalOptions&, std::span<const std::string> args) {
   launch::LaunchOptions launch;
   launch.nproc = 2;
   CommBenchOptions bench;
+  int lanes = CommOptions{}.lanes;
   launch.args = {"bench", "comm"};
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -60,6 +65,17 @@ int RunBenchCommand(const GlobalOptions&, std::span<const std::string> args) {
       bench.min_bytes = ParseBytes(value);
     } else if (a == "--max-bytes") {
       bench.max_bytes = ParseBytes(value);
+    } else if (a == "--lanes") {
+      size_t pos = 0;
+      try {
+        lanes = std::stoi(value, &pos);
+      } catch (const std::exception&) {
+        pos = 0;
+      }
+      if (pos != value.size() || lanes < 1 || lanes > 16) {
+        throw Error(CAI_INVALID_ARGUMENT,
+                    "--lanes takes a whole number from 1 to 16, not '" + value + "'");
+      }
     } else if (a == "--factor") {
       bench.factor = ParseBytes(value);
       if (bench.factor < 2) throw Error(CAI_INVALID_ARGUMENT, "--factor must be at least 2");
@@ -80,6 +96,7 @@ int RunBenchCommand(const GlobalOptions&, std::span<const std::string> args) {
     comm.world_size = env.world_size;
     comm.master_addr = env.master_addr;
     comm.master_port = env.master_port;
+    comm.lanes = lanes;
     Communicator::Init(comm);
     const int code = RunCommBenchmark(bench, std::cout);
     Communicator::Shutdown();

@@ -6,7 +6,13 @@
 //                   bf16/fp16 reduced in fp32 and rounded per step; avg = sum / n.
 //   reduce_scatter  our ring on Gloo's unbound buffers (gloo_ops.cpp): (n-1)/n of the input;
 //                   avg = sum / n.
-//   all_gather      gloo::allgather, ring: (n-1)/n of the output.
+//   all_gather      our ring on Gloo's unbound buffers, each segment forwarded as soon as it
+//                   arrives: (n-1)/n of the output.
+//   lanes           all_reduce, reduce_scatter and all_gather of >= 1 MiB per lane are split
+//                   over CommOptions::lanes contexts, each on a Gloo device (one I/O thread) of
+//                   its own, each lane on its own thread moving a contiguous share of every
+//                   chunk: Gloo serves all of a device's connections on one thread, which then
+//                   sends and receives in turn (bench/README.md has the figures).
 //   broadcast       gloo::broadcast, a binomial tree from the root (on 2 and 3 ranks the root
 //                   sends every copy).
 //   reduce          gloo::reduce: ring reduce-scatter, then the chunks gathered at the root;
@@ -38,8 +44,8 @@
 // collective times out reads it back to name the ranks that never arrived. The liveness
 // monitor's thread (comm/liveness.h) sends heartbeats and watches the peers'.
 //
-// The call check runs on a second Gloo context per group (check_context), so that its bytes
-// never mix with the wire counts of the group's own connections.
+// The call check runs on a Gloo context of its own per group (check_context), so that its
+// bytes never mix with the wire counts of the group's lanes.
 //
 // Byte counters: bytes handed to each operation are counted when it is issued, from its
 // arguments (the ABI's counters); bytes on the wire are measured from the kernel's TCP counters
@@ -122,13 +128,17 @@ struct Counters {
   }
 };
 
-constexpr const char* kGlooBackendInfo =
-    "gloo (libgloo, TCP): all_reduce=gloo::allreduce ring, custom reductions for every "
-    "dtype/op, bf16/fp16 reduced in fp32, avg=sum then divided by n (reduce: on the root); "
-    "reduce_scatter=ring on gloo unbound buffers, "
-    "(n-1)/n of the input per rank; all_gather=gloo::allgather ring; "
-    "broadcast=gloo::broadcast; reduce=gloo::reduce (ring reduce-scatter + gather to root); "
-    "all_to_all=gloo::alltoall; send/recv=gloo unbound buffers; barrier=gloo::barrier";
+std::string GlooBackendInfo(int lanes) {
+  return "gloo (libgloo, TCP): all_reduce=gloo::allreduce ring, custom reductions for every "
+         "dtype/op, bf16/fp16 reduced in fp32, avg=sum then divided by n (reduce: on the root); "
+         "reduce_scatter=ring on gloo unbound buffers, (n-1)/n of the input per rank; "
+         "all_gather=ring on gloo unbound buffers, (n-1)/n of the output per rank; "
+         "all_reduce, reduce_scatter and all_gather from 1 MiB per lane split over " +
+         std::to_string(lanes) +
+         " lane(s), each with its own connections and I/O thread; "
+         "broadcast=gloo::broadcast; reduce=gloo::reduce (ring reduce-scatter + gather to root); "
+         "all_to_all=gloo::alltoall; send/recv=gloo unbound buffers; barrier=gloo::barrier";
+}
 
 }  // namespace
 
@@ -169,6 +179,9 @@ struct cai_comm_group {
   int size = 0;
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<gloo::Context> context;
+  // The collectives' contexts: `context` first, then one per extra lane (comm::RunCollective).
+  std::vector<std::shared_ptr<gloo::Context>> lane_contexts;
+  std::vector<gloo::Context*> lanes;
   std::shared_ptr<gloo::Context> check_context;  // the call check's; null when it is off
   // What Gloo's errors may call each rank's connections (comm::AddPeerEndpoints).
   std::vector<std::vector<std::string>> peer_endpoints;
@@ -446,6 +459,8 @@ const char* CommOpName(cai_comm_op op) {
 
 class Communicator::Impl {
  public:
+  const char* backend_info() const { return backend_info_.c_str(); }
+
   explicit Impl(const CommOptions& options) : options_(options) {
     if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
       throw Error(CAI_INVALID_ARGUMENT, "communicator: rank " + std::to_string(options.rank) +
@@ -463,7 +478,16 @@ class Communicator::Impl {
     const BindChoice bind = ResolveBindAddress(options);
     attr.hostname = bind.address;
     bind_description_ = bind.address + " (" + bind.why + ")";
-    device_ = gloo::transport::tcp::CreateDevice(attr);
+    if (options.lanes < 1) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "communicator: lanes must be at least 1, not " + std::to_string(options.lanes));
+    }
+    // A device per lane: each has its own I/O thread (Gloo serves all of a device's
+    // connections on one), which is what lets the lanes' transfers run at once.
+    for (int lane = 0; lane < options.lanes; ++lane) {
+      devices_.push_back(gloo::transport::tcp::CreateDevice(attr));
+    }
+    backend_info_ = GlooBackendInfo(options.lanes);
     if (options.heartbeat_timeout.count() > 0 && options.world_size > 1) {
       comm::LivenessOptions lo;
       lo.rank = options.rank;
@@ -790,24 +814,37 @@ class Communicator::Impl {
     context->setTimeout(options_.timeout);
     gloo::rendezvous::PrefixStore prefix("cai/gloo/" + std::to_string(id), *store_);
     std::shared_ptr<gloo::rendezvous::Context> check;
+    std::vector<std::shared_ptr<gloo::Context>> lanes{context};
     try {
-      context->connectFullMesh(prefix, device_);
+      context->connectFullMesh(prefix, devices_[0]);
+      for (size_t lane = 1; g->size > 1 && lane < devices_.size(); ++lane) {
+        auto extra = std::make_shared<gloo::rendezvous::Context>(g->rank, g->size);
+        extra->setTimeout(options_.timeout);
+        gloo::rendezvous::PrefixStore lane_prefix(
+            "cai/gloo/" + std::to_string(id) + "/lane" + std::to_string(lane), *store_);
+        extra->connectFullMesh(lane_prefix, devices_[lane]);
+        lanes.push_back(std::move(extra));
+      }
       if (options_.check_calls && g->size > 1) {
         check = std::make_shared<gloo::rendezvous::Context>(g->rank, g->size);
         check->setTimeout(options_.timeout);
         gloo::rendezvous::PrefixStore check_prefix("cai/check/" + std::to_string(id), *store_);
-        check->connectFullMesh(check_prefix, device_);
+        check->connectFullMesh(check_prefix, devices_[0]);
       }
     } catch (const gloo::Exception& e) {
       throw Error(CAI_UNAVAILABLE, "connecting the ranks of group '" + g->name + "' failed on " +
                                        g->RankName(g->rank) + ": " + e.what());
     }
     g->check_context = std::move(check);
-    comm::AddPeerEndpoints(*context, g->peer_endpoints);
+    for (const auto& lane : lanes) {
+      comm::AddPeerEndpoints(*lane, g->peer_endpoints);
+      g->lanes.push_back(lane.get());
+    }
     if (g->check_context) comm::AddPeerEndpoints(*g->check_context, g->peer_endpoints);
-    g->sent = comm::TcpBytesSent::Open(*context);
+    g->sent = comm::TcpBytesSent::Open(g->lanes);
     if (g->sent) g->wire_seen = g->sent->Read();  // the rendezvous's own bytes are no op's
     g->context = std::move(context);
+    g->lane_contexts = std::move(lanes);
     cai_comm_group* raw = g.get();
     raw->worker = std::thread([this, raw] { WorkerLoop(*raw); });
     raw->p2p_waiter = std::thread([this, raw] { PointToPointLoop(*raw); });
@@ -945,7 +982,7 @@ class Communicator::Impl {
       try {
         // On connections of its own: its bytes are not on the ones WireEnd reads.
         if (g.check_context) CheckSameCall(g, *w);
-        comm::RunCollective(*g.context, spec);
+        comm::RunCollective(g.lanes, spec);
         WireEnd(g, spec.op);
         EndRunning(g, *w);
         w->Finish(CAI_OK, {});
@@ -1104,7 +1141,7 @@ class Communicator::Impl {
         std::lock_guard<std::mutex> group_lock(g->mu);
         if (g->broken.empty()) g->broken = report;
       }
-      if (g->context) comm::ShutdownConnections(*g->context);
+      for (gloo::Context* lane : g->lanes) comm::ShutdownConnections(*lane);
       if (g->check_context) comm::ShutdownConnections(*g->check_context);
     }
   }
@@ -1147,7 +1184,8 @@ class Communicator::Impl {
   std::unique_ptr<ProgressBoard> progress_;
   std::string aborted_;  // the report that aborted the communicator; guarded by mu_
   std::string bind_description_;
-  std::shared_ptr<gloo::transport::Device> device_;
+  std::vector<std::shared_ptr<gloo::transport::Device>> devices_;  // one per lane
+  std::string backend_info_;
   std::atomic<int> next_group_id_{0};
   cai_comm_group* world_ = nullptr;
   mutable std::mutex mu_;
@@ -1284,7 +1322,7 @@ WireCounters Communicator::WireBytes(const cai_comm_group* group) const {
 
 void Communicator::ResetCounters() { impl_->ResetCounters(); }
 
-const char* Communicator::BackendInfo(const cai_comm_group*) const { return kGlooBackendInfo; }
+const char* Communicator::BackendInfo(const cai_comm_group*) const { return impl_->backend_info(); }
 
 const std::string& Communicator::BindAddress() const { return impl_->bind_description(); }
 

@@ -59,6 +59,11 @@ struct CommOptions {
   std::function<void(const std::string& report)> on_peer_failure;
   // Check, before each collective, that every rank of the group calls the same one.
   bool check_calls = true;
+  // Connections (and Gloo I/O threads) per peer that a large all_reduce, reduce_scatter or
+  // all_gather is split over (comm::RunCollective). One thread serves all of a Gloo device's
+  // connections, sending and receiving in turn; a second lane lets a rank send and receive at
+  // once. 1 = Gloo's single connection.
+  int lanes = 2;
 };
 
 // Bytes this rank's sockets actually sent for each operation, measured by the kernel (TCP_INFO)

@@ -16,7 +16,10 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <functional>
+#include <span>
+#include <thread>
 #include <vector>
 
 #include "comm/pair_socket.h"
@@ -86,6 +89,15 @@ namespace {
 // point-to-point message can never be matched by a collective or the other way round.
 constexpr uint8_t kReduceScatterSlotPrefix = 0x40;
 constexpr uint8_t kPointToPointSlotPrefix = 0x41;
+constexpr uint8_t kAllGatherSlotPrefix = 0x42;
+
+// Our rings move their data in messages of at most this size, so that the reduction (or the
+// forwarding) of one overlaps the transfer of the next.
+constexpr size_t kSegmentBytes = size_t{1} << 20;
+
+// A collective on at least this many bytes per lane is split over the lanes: below it the
+// extra thread and messages cost more than the second connection gains.
+constexpr size_t kMinLaneBytes = size_t{1} << 20;
 
 // Half-precision types are reduced in fp32 and rounded once per pairwise step, as NCCL does
 // on the wire for bf16/fp16 (comm.h: "reduced in fp32 precision where the backend cannot").
@@ -250,9 +262,29 @@ void WithElementSize(size_t size, Fn&& fn) {
   }
 }
 
-void AllReduce(gloo::Context& context, const std::shared_ptr<gloo::Context>& shared,
-               const OpSpec& spec) {
-  const Buffer& out = spec.output;
+// One lane's share of a collective split over lanes (RunCollective): the elements
+// [lo, lo + len) of each rank's chunk (reduce_scatter, all_gather) or of the whole tensor
+// (all_reduce).
+struct Part {
+  size_t lo = 0;
+  size_t len = 0;
+};
+
+Buffer Slice(const Buffer& b, const Part& part) {
+  return Buffer{b.data + part.lo * DTypeSize(b.dtype), part.len, b.dtype, b.cuda_device};
+}
+
+size_t SegmentFor(size_t element) { return std::max(element, kSegmentBytes / element * element); }
+
+std::chrono::milliseconds Remaining(std::chrono::steady_clock::time_point deadline) {
+  return std::max(std::chrono::milliseconds(1),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(
+                      deadline - std::chrono::steady_clock::now()));
+}
+
+void AllReduce(gloo::Context& context, const OpSpec& spec, const Part& part) {
+  std::shared_ptr<gloo::Context> shared(std::shared_ptr<gloo::Context>(), &context);
+  const Buffer out = Slice(spec.output, part);
   gloo::AllreduceOptions opts(shared);
   WithElementSize(DTypeSize(out.dtype), [&](auto e) {
     using E = decltype(e);
@@ -286,68 +318,176 @@ void Reduce(gloo::Context& context, const std::shared_ptr<gloo::Context>& shared
 // untouched. Gloo's ReduceScatterHalvingDoubling would reduce in place over the input and binds
 // its buffers to fixed pointers at construction, which needs a cached instance and a copy of
 // the input per call. The chunk arriving at step s is received in segments so that reducing
-// one overlaps the transfer of the next.
-void ReduceScatter(gloo::Context& context, const OpSpec& spec) {
+// one overlaps the transfer of the next. Only `part` of every chunk moves on this context.
+void ReduceScatter(gloo::Context& context, const OpSpec& spec, const Part& part) {
   const int n = context.size;
   const int r = context.rank;
-  const size_t chunk_bytes = spec.output.bytes();
   const size_t element = DTypeSize(spec.output.dtype);
+  const size_t chunk_bytes = spec.output.bytes();
+  const size_t part_offset = part.lo * element;
+  const size_t part_bytes = part.len * element;
   const auto* in = spec.input.data;
   const auto deadline = std::chrono::steady_clock::now() + spec.timeout;
   const ReduceFn reduce = ReduceFor(spec.output.dtype, spec.reduce);
   const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, spec.tag);
   const int left = (r + n - 1) % n;
   const int right = (r + 1) % n;
-  constexpr size_t kSegmentBytes = 1 << 20;
-  const size_t segment = std::max(element, kSegmentBytes / element * element);
+  const size_t segment = SegmentFor(element);
 
-  std::vector<std::byte> scratch(n > 2 ? 2 * chunk_bytes : 0);
+  std::vector<std::byte> scratch(n > 2 ? 2 * part_bytes : 0);
   auto input_buffer = context.createUnboundBuffer(const_cast<std::byte*>(in), spec.input.bytes());
   auto output_buffer = context.createUnboundBuffer(spec.output.data, chunk_bytes);
   std::unique_ptr<gloo::transport::UnboundBuffer> scratch_buffers[2];
   if (n > 2) {
-    scratch_buffers[0] = context.createUnboundBuffer(scratch.data(), chunk_bytes);
-    scratch_buffers[1] = context.createUnboundBuffer(scratch.data() + chunk_bytes, chunk_bytes);
+    scratch_buffers[0] = context.createUnboundBuffer(scratch.data(), part_bytes);
+    scratch_buffers[1] = context.createUnboundBuffer(scratch.data() + part_bytes, part_bytes);
   }
-  auto remaining = [&] {
-    return std::max(std::chrono::milliseconds(1),
-                    std::chrono::duration_cast<std::chrono::milliseconds>(
-                        deadline - std::chrono::steady_clock::now()));
-  };
 
   // Step s sends the partial sum of chunk (r-s-1) and receives that of chunk (r-s-2); the
   // last step receives chunk r, which completes in `output`.
   gloo::transport::UnboundBuffer* send_buffer = input_buffer.get();
-  size_t send_offset = static_cast<size_t>((r + n - 1) % n) * chunk_bytes;
+  size_t send_offset = static_cast<size_t>((r + n - 1) % n) * chunk_bytes + part_offset;
   for (int s = 0; s + 1 < n; ++s) {
     const bool last = s + 2 == n;
     gloo::transport::UnboundBuffer* recv_buffer =
         last ? output_buffer.get() : scratch_buffers[s % 2].get();
-    const size_t local_offset = static_cast<size_t>((r - s - 2 + 2 * n) % n) * chunk_bytes;
+    const size_t recv_offset = last ? part_offset : 0;
+    const size_t local_offset =
+        static_cast<size_t>((r - s - 2 + 2 * n) % n) * chunk_bytes + part_offset;
     size_t segments = 0;
-    for (size_t off = 0; off < chunk_bytes; off += segment, ++segments) {
-      recv_buffer->recv(left, slot, off, std::min(segment, chunk_bytes - off));
+    for (size_t off = 0; off < part_bytes; off += segment, ++segments) {
+      recv_buffer->recv(left, slot, recv_offset + off, std::min(segment, part_bytes - off));
     }
     // Gloo matches one send with one receive, so both sides cut the chunk the same way.
-    for (size_t off = 0; off < chunk_bytes; off += segment) {
-      send_buffer->send(right, slot, send_offset + off, std::min(segment, chunk_bytes - off));
+    for (size_t off = 0; off < part_bytes; off += segment) {
+      send_buffer->send(right, slot, send_offset + off, std::min(segment, part_bytes - off));
     }
     for (size_t i = 0; i < segments; ++i) {
-      recv_buffer->waitRecv(remaining());
+      recv_buffer->waitRecv(Remaining(deadline));
       const size_t off = i * segment;
-      auto* acc = static_cast<std::byte*>(recv_buffer->ptr) + off;
-      reduce(acc, acc, in + local_offset + off, std::min(segment, chunk_bytes - off) / element);
+      auto* acc = static_cast<std::byte*>(recv_buffer->ptr) + recv_offset + off;
+      reduce(acc, acc, in + local_offset + off, std::min(segment, part_bytes - off) / element);
     }
-    for (size_t i = 0; i < segments; ++i) send_buffer->waitSend(remaining());
+    for (size_t i = 0; i < segments; ++i) send_buffer->waitSend(Remaining(deadline));
     send_buffer = recv_buffer;
-    send_offset = 0;
+    send_offset = recv_offset;
   }
-  if (spec.reduce == CAI_REDUCE_AVG) Average(spec.output, n);
+  if (spec.reduce == CAI_REDUCE_AVG) Average(Slice(spec.output, part), n);
+}
+
+// Ring all-gather straight into the output: n-1 steps, each forwarding to the right the block
+// that arrived from the left one step before, so every rank sends (n-1)/n of the output. A
+// segment is forwarded as soon as it has arrived, so the steps overlap rather than wait for
+// each other. In place (as NCCL's) when the input is this rank's block of the output. Only
+// `part` of every block moves on this context.
+void AllGather(gloo::Context& context, const OpSpec& spec, const Part& part) {
+  const int n = context.size;
+  const int r = context.rank;
+  const size_t element = DTypeSize(spec.output.dtype);
+  const size_t block_bytes = spec.input.bytes();
+  const size_t part_offset = part.lo * element;
+  const size_t part_bytes = part.len * element;
+  std::byte* out = spec.output.data;
+  const auto deadline = std::chrono::steady_clock::now() + spec.timeout;
+  const uint64_t slot = gloo::Slot::build(kAllGatherSlotPrefix, spec.tag);
+  const int left = (r + n - 1) % n;
+  const int right = (r + 1) % n;
+  const size_t segment = SegmentFor(element);
+  auto block = [&](int b) { return static_cast<size_t>(b) * block_bytes + part_offset; };
+
+  std::byte* mine = out + block(r);
+  if (spec.input.data + part_offset != mine) {
+    std::memcpy(mine, spec.input.data + part_offset, part_bytes);
+  }
+  auto buffer = context.createUnboundBuffer(out, spec.output.bytes());
+  std::vector<size_t> lengths;
+  for (size_t off = 0; off < part_bytes; off += segment) {
+    lengths.push_back(std::min(segment, part_bytes - off));
+  }
+  // Receives complete in the order they are posted (one connection from the left), so the
+  // k-th completion is step k / segments, segment k % segments.
+  for (int s = 0; s + 1 < n; ++s) {
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      buffer->recv(left, slot, block((r - s - 1 + n) % n) + i * segment, lengths[i]);
+    }
+  }
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    buffer->send(right, slot, block(r) + i * segment, lengths[i]);
+  }
+  size_t sends = lengths.size();
+  for (int s = 0; s + 1 < n; ++s) {
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      buffer->waitRecv(Remaining(deadline));
+      if (s + 2 < n) {  // the right neighbour still needs this block
+        buffer->send(right, slot, block((r - s - 1 + n) % n) + i * segment, lengths[i]);
+        ++sends;
+      }
+    }
+  }
+  for (size_t i = 0; i < sends; ++i) buffer->waitSend(Remaining(deadline));
+}
+
+// How many lanes `spec` is split over: all_reduce, reduce_scatter and all_gather of at least
+// kMinLaneBytes per lane, each lane taking a contiguous share of the elements.
+size_t LanesFor(size_t lanes, const OpSpec& spec, size_t units) {
+  const size_t bytes = std::max(spec.input.bytes(), spec.output.bytes());
+  return std::clamp<size_t>(bytes / kMinLaneBytes, 1, std::min(lanes, units));
+}
+
+void RunPart(gloo::Context& context, const OpSpec& spec, const Part& part) {
+  switch (spec.op) {
+    case CAI_COMM_ALL_REDUCE:
+      AllReduce(context, spec, part);
+      return;
+    case CAI_COMM_REDUCE_SCATTER:
+      ReduceScatter(context, spec, part);
+      return;
+    default:
+      AllGather(context, spec, part);
+      return;
+  }
+}
+
+// Lane 0 runs on the calling thread, every other lane on a thread of its own: each lane's
+// connections are served by their own Gloo I/O thread, so the lanes' transfers, reductions and
+// socket copies proceed at once instead of queueing on one thread.
+void SplitOverLanes(std::span<gloo::Context* const> lanes, const OpSpec& spec) {
+  const size_t units = spec.op == CAI_COMM_ALL_GATHER ? spec.input.numel : spec.output.numel;
+  const size_t parts = LanesFor(lanes.size(), spec, units);
+  auto run = [&](size_t j) {
+    const size_t lo = units * j / parts;
+    RunPart(*lanes[j], spec, Part{lo, units * (j + 1) / parts - lo});
+  };
+  if (parts == 1) {
+    run(0);
+    return;
+  }
+  std::vector<std::exception_ptr> errors(parts);
+  std::vector<std::thread> threads;
+  for (size_t j = 1; j < parts; ++j) {
+    threads.emplace_back([&, j] {
+      try {
+        run(j);
+      } catch (...) {
+        errors[j] = std::current_exception();
+      }
+    });
+  }
+  try {
+    run(0);
+  } catch (...) {
+    errors[0] = std::current_exception();
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
 }
 
 }  // namespace
 
-void RunCollective(gloo::Context& context, const OpSpec& spec) {
+void RunCollective(std::span<gloo::Context* const> lanes, const OpSpec& spec) {
+  gloo::Context& context = *lanes.front();
   // Gloo's option classes hold a shared_ptr to the context; the group owns it for longer than
   // any operation, so a non-owning alias is enough.
   std::shared_ptr<gloo::Context> shared(std::shared_ptr<gloo::Context>(), &context);
@@ -361,24 +501,10 @@ void RunCollective(gloo::Context& context, const OpSpec& spec) {
   }
   switch (spec.op) {
     case CAI_COMM_ALL_REDUCE:
-      AllReduce(context, shared, spec);
-      return;
     case CAI_COMM_REDUCE_SCATTER:
-      ReduceScatter(context, spec);
+    case CAI_COMM_ALL_GATHER:
+      SplitOverLanes(lanes, spec);
       return;
-    case CAI_COMM_ALL_GATHER: {
-      gloo::AllgatherOptions opts(shared);
-      // In place (as NCCL's) when the input is this rank's chunk of the output: Gloo then
-      // leaves that chunk as it is rather than copying it onto itself.
-      const bool in_place =
-          spec.input.data ==
-          spec.output.data + static_cast<size_t>(context.rank) * spec.input.bytes();
-      if (!in_place) opts.setInput<std::byte>(spec.input.data, spec.input.bytes());
-      opts.setOutput<std::byte>(spec.output.data, spec.output.bytes());
-      opts.setTimeout(spec.timeout);
-      gloo::allgather(opts);
-      return;
-    }
     case CAI_COMM_BROADCAST: {
       gloo::BroadcastOptions opts(shared);
       opts.setOutput<std::byte>(spec.output.data, spec.output.bytes());

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -42,9 +43,13 @@ struct OpSpec {
   std::chrono::milliseconds timeout{0};
 };
 
-// Runs one collective (every op but SEND/RECV) to completion on the calling thread. Throws
-// gloo::Exception (or a subclass) on transport failures and timeouts.
-void RunCollective(gloo::Context& context, const OpSpec& spec);
+// Runs one collective (every op but SEND/RECV) to completion. `lanes` are contexts over the
+// same ranks, each on a transport device (I/O thread) of its own; lanes[0] runs everything
+// small and every op but all_reduce, reduce_scatter and all_gather, which are split over the
+// lanes from 1 MiB per lane, each lane moving a contiguous share of the elements on a thread of
+// its own (as NCCL splits over channels). Throws gloo::Exception (or a subclass) on transport
+// failures and timeouts.
+void RunCollective(std::span<gloo::Context* const> lanes, const OpSpec& spec);
 
 // Posts a SEND or RECV without waiting; the returned buffer is waited with WaitPointToPoint.
 // Gloo's TCP transport moves the data once both sides have posted, so posting never blocks.

@@ -35,14 +35,16 @@ bool ReadSocket(Pair& pair, uint64_t& out) {
 
 }  // namespace
 
-std::unique_ptr<TcpBytesSent> TcpBytesSent::Open(gloo::Context& context) {
+std::unique_ptr<TcpBytesSent> TcpBytesSent::Open(std::span<gloo::Context* const> contexts) {
   std::vector<Pair*> pairs;
-  for (int peer = 0; peer < context.size; ++peer) {
-    if (peer == context.rank) continue;
-    auto* pair = dynamic_cast<Pair*>(context.getPair(peer).get());
-    uint64_t probe = 0;
-    if (pair == nullptr || !ReadSocket(*pair, probe)) return nullptr;
-    pairs.push_back(pair);
+  for (gloo::Context* context : contexts) {
+    for (int peer = 0; peer < context->size; ++peer) {
+      if (peer == context->rank) continue;
+      auto* pair = dynamic_cast<Pair*>(context->getPair(peer).get());
+      uint64_t probe = 0;
+      if (pair == nullptr || !ReadSocket(*pair, probe)) return nullptr;
+      pairs.push_back(pair);
+    }
   }
   return std::unique_ptr<TcpBytesSent>(new TcpBytesSent(std::move(pairs)));
 }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <vector>
 
 namespace gloo::transport::tcp {
@@ -16,9 +17,9 @@ class Pair;
 
 namespace cai::comm {
 
-// The connections of one context (one per peer), read with getsockopt(TCP_INFO). A reading is
-// tcpi_bytes_sent - tcpi_bytes_retrans + tcpi_notsent_bytes summed over the connections: TCP
-// payload bytes transmitted once, plus those written to a socket but not yet transmitted, so
+// The connections of a group's contexts (one per peer and lane), read with getsockopt(TCP_INFO). A
+// reading is tcpi_bytes_sent - tcpi_bytes_retrans + tcpi_notsent_bytes summed over the connections:
+// TCP payload bytes transmitted once, plus those written to a socket but not yet transmitted, so
 // that bytes an operation wrote count for it even when the kernel sends them after it has
 // returned. Gloo's framing (a 48-byte preamble per message and per send/recv-ready
 // notification) is payload too; TCP/IP headers are not. Retransmissions are left out: they
@@ -27,10 +28,10 @@ namespace cai::comm {
 // Thread-safe.
 class TcpBytesSent {
  public:
-  // nullptr when this kernel's TCP_INFO has no tcpi_bytes_retrans (Linux < 4.19) or the context
-  // has a connection that is not Gloo TCP. `context` must be connected (connectFullMesh) and
-  // outlive the returned object.
-  static std::unique_ptr<TcpBytesSent> Open(gloo::Context& context);
+  // nullptr when this kernel's TCP_INFO has no tcpi_bytes_retrans (Linux < 4.19) or a context
+  // has a connection that is not Gloo TCP. The contexts must be connected (connectFullMesh)
+  // and outlive the returned object.
+  static std::unique_ptr<TcpBytesSent> Open(std::span<gloo::Context* const> contexts);
 
   // Bytes sent so far by all the connections; never decreases (a connection Gloo has closed
   // after a failure keeps its last reading).

@@ -152,6 +152,10 @@ const cai_config_key kLaunchKeys[] = {
     BoolKey("check_calls", "true",
             "Before each collective, check that every rank calls the same one (operation, "
             "element counts, dtype, reduce op, root) and fail naming each rank's call if not."),
+    IntKey("comm_lanes", "2",
+           "Connections per peer, each with its own I/O thread, that all_reduce, reduce_scatter "
+           "and all_gather of 1 MiB or more per lane are split over (1 = one connection).",
+           1, 16, kMinMax),
     StringKey("socket_ifname", "\"\"",
               "Network interface the collectives bind to (\"\" = CAI_SOCKET_IFNAME, else "
               "GLOO_SOCKET_IFNAME, else the route to master_addr)."),

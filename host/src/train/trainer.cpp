@@ -944,6 +944,7 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
     comm.heartbeat_timeout = std::chrono::milliseconds(
         std::llround(1000 * GetFloat(*job.launch, "heartbeat_timeout_s")));
     comm.check_calls = GetBool(*job.launch, "check_calls");
+    comm.lanes = static_cast<int>(GetInt(*job.launch, "comm_lanes"));
     comm.socket_ifname = GetString(*job.launch, "socket_ifname");
     comm.on_peer_failure = [](const std::string& report) {
       // The training loop may be computing, not waiting on the communicator, for a long time:

@@ -136,47 +136,70 @@ TEST(Comm, Comm_TwoAndThreeRanks_ReduceScatterUneven_MatchesSum) {
   }
 }
 
-TEST(Comm, Comm_TwoAndThreeRanks_AllGatherUneven_ConcatenatesInRankOrder) {
-  for (int world : {2, 3}) {
-    RunRanks(world, [](const RankContext& ctx) {
-      InitRank(ctx, kTimeout);
-      for (size_t n : {size_t{1}, size_t{1001}, size_t{400003}}) {
-        HostTensor<int64_t> in(n, kI64), out(n * ctx.world_size, kI64);
-        for (size_t i = 0; i < n; ++i) in.data[i] = ctx.rank * 1000000 + static_cast<int64_t>(i);
-        RunOp(Args(CAI_COMM_ALL_GATHER, &in.t, &out.t));
-        for (int r = 0; r < ctx.world_size; ++r) {
-          for (size_t i = 0; i < n; ++i) {
-            ASSERT_EQ(out.data[r * n + i], r * 1000000 + static_cast<int64_t>(i));
-          }
-        }
-      }
-    });
+void CheckAllGather(const RankContext& ctx, size_t n) {
+  HostTensor<int64_t> in(n, kI64), out(n * ctx.world_size, kI64);
+  for (size_t i = 0; i < n; ++i) in.data[i] = ctx.rank * 1000000 + static_cast<int64_t>(i);
+  RunOp(Args(CAI_COMM_ALL_GATHER, &in.t, &out.t));
+  for (int r = 0; r < ctx.world_size; ++r) {
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(out.data[r * n + i], r * 1000000 + static_cast<int64_t>(i));
+    }
   }
 }
 
 // ZeRO's re-gather: each rank's input is its own chunk of the output buffer (NCCL's in-place
 // form), which must neither be copied onto itself nor disturb the other chunks' arrival.
+void CheckAllGatherInPlace(const RankContext& ctx, size_t n) {
+  HostTensor<float> out(n * ctx.world_size, kF32);
+  for (size_t i = 0; i < n; ++i) {
+    out.data[ctx.rank * n + i] = static_cast<float>(ctx.rank * 1000000 + i % 1000);
+  }
+  cai_tensor in = out.t;
+  int64_t chunk = static_cast<int64_t>(n);
+  in.data = out.data.data() + ctx.rank * n;
+  in.shape = &chunk;
+  RunOp(Args(CAI_COMM_ALL_GATHER, &in, &out.t));
+  for (int r = 0; r < ctx.world_size; ++r) {
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(out.data[r * n + i], static_cast<float>(r * 1000000 + i % 1000));
+    }
+  }
+}
+
+TEST(Comm, Comm_TwoAndThreeRanks_AllGatherUneven_ConcatenatesInRankOrder) {
+  for (int world : {2, 3}) {
+    RunRanks(world, [](const RankContext& ctx) {
+      InitRank(ctx, kTimeout);
+      for (size_t n : {size_t{1}, size_t{1001}, size_t{400003}}) CheckAllGather(ctx, n);
+    });
+  }
+}
+
 TEST(Comm, Comm_TwoAndThreeRanks_AllGatherInPlace_ConcatenatesInRankOrder) {
   for (int world : {2, 3}) {
     RunRanks(world, [](const RankContext& ctx) {
       InitRank(ctx, kTimeout);
-      for (size_t n : {size_t{1}, size_t{1001}, size_t{400003}}) {
-        HostTensor<float> out(n * ctx.world_size, kF32);
-        for (size_t i = 0; i < n; ++i) {
-          out.data[ctx.rank * n + i] = static_cast<float>(ctx.rank * 1000000 + i % 1000);
-        }
-        cai_tensor in = out.t;
-        int64_t chunk = static_cast<int64_t>(n);
-        in.data = out.data.data() + ctx.rank * n;
-        in.shape = &chunk;
-        RunOp(Args(CAI_COMM_ALL_GATHER, &in, &out.t));
-        for (int r = 0; r < ctx.world_size; ++r) {
-          for (size_t i = 0; i < n; ++i) {
-            ASSERT_EQ(out.data[r * n + i], static_cast<float>(r * 1000000 + i % 1000));
-          }
-        }
-      }
+      for (size_t n : {size_t{1}, size_t{1001}, size_t{400003}}) CheckAllGatherInPlace(ctx, n);
     });
+  }
+}
+
+// Large collectives are split over the lanes (comm::RunCollective), each lane moving an
+// uneven share of every chunk on connections of its own: one lane, and three, give the same
+// values at sizes that do not divide by the lanes, the ranks or Gloo's 1 MiB segments.
+TEST(Comm, Comm_TwoAndThreeRanks_LargeOpsOverOneAndThreeLanes_MatchReference) {
+  for (int world : {2, 3}) {
+    for (int lanes : {1, 3}) {
+      RunRanks(world, [lanes](const RankContext& ctx) {
+        InitRank(ctx, kTimeout, lanes);
+        CheckAllReduce<float>(ctx, kF32, CAI_REDUCE_AVG, 786433);
+        CheckAllReduce<int32_t>(ctx, kI32, CAI_REDUCE_MAX, 1048577);
+        CheckReduceScatter(ctx, 700001, CAI_REDUCE_AVG);
+        CheckReduceScatter(ctx, 400003, CAI_REDUCE_SUM);
+        CheckAllGather(ctx, 400003);
+        CheckAllGatherInPlace(ctx, 786433);
+      });
+    }
   }
 }
 

@@ -43,12 +43,14 @@ struct RankContext {
   int port;
 };
 
-inline void InitRank(const RankContext& ctx, std::chrono::milliseconds timeout) {
+inline void InitRank(const RankContext& ctx, std::chrono::milliseconds timeout,
+                     int lanes = CommOptions{}.lanes) {
   CommOptions options;
   options.rank = ctx.rank;
   options.world_size = ctx.world_size;
   options.master_port = ctx.port;
   options.timeout = timeout;
+  options.lanes = lanes;
   Communicator::Init(options);
 }
 

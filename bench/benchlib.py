@@ -99,12 +99,14 @@ def run_cai(build, job, run_dir, plugin, table="", sets=()):
 
 def cai_figures(summary):
     """The figures compared across strategies, from a summary.json. bytes_per_step: the most
-    bytes one rank handed to collectives in a step (summary's comm_bytes_per_step_mean)."""
+    bytes one rank handed to collectives in a step (summary's comm_bytes_per_step_mean);
+    overlap: the least share of its reductions' time a rank spent computing (overlap_ratio)."""
     ranks = summary["ranks"]
     return {"tokens_per_s": summary["tokens_per_s"],
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
             "device_peak": max(r["peak_bytes"]["device"] for r in ranks),
             "bytes_per_step": max(sum(r["comm_bytes_per_step_mean"].values()) for r in ranks),
+            "overlap": min(r["overlap_ratio"] for r in ranks),
             "blas": summary["blas"]}
 
 

@@ -81,6 +81,7 @@
 #include <algorithm>
 #include <cai/sdk.hpp>
 #include <cai/sdk/flat.hpp>
+#include <cai/sdk/overlap.hpp>
 #include <cai/sdk/sharded_index.hpp>
 #include <cai/sdk/step.hpp>
 #include <cmath>
@@ -449,6 +450,7 @@ class Fsdp {
     // Gradients accumulated under no_sync and never stepped are dropped as asked, and so are
     // the reductions a failed micro-batch left behind.
     reduces_.clear();
+    overlap_.Discard();
     for (Unit& u : units_) {
       if (!u.grads.get()) continue;
       for (const Member& m : u.members) Check(Host().model->release_grad(model_, m.param));
@@ -501,7 +503,7 @@ class Fsdp {
     stats.grad_bytes = grads_.size();
     stats.optimizer_state_bytes = optim_.bytes();
     stats.master_bytes = mixed ? params_.size() : 0;
-    stats.overlap_ratio = 0;  // measured nowhere yet: prefetch overlaps, reductions do not
+    stats.overlap_ratio = overlap_.ratio();
     // The forward's peak of parameter memory, for the bound Ψ/G + (prefetch+1)·unit.
     cai::sdk::Log(CAI_LOG_INFO, "fsdp: peak parameter bytes in forward " +
                                     std::to_string(forward_param_peak_) + " (shards " +
@@ -820,6 +822,7 @@ class Fsdp {
     if (shards_ > 1) {
       r.part = Alloc(CAI_MEM_DEVICE, u.shard, reduce_, "fsdp.reduce_scatter");
       const cai_tensor full = View(r.wire, reduce_, 0, &u.full);
+      overlap_.Launched();
       r.work = RunCollective(CAI_COMM_REDUCE_SCATTER, &full, View(r.part, reduce_, 0, &u.shard),
                              /*async=*/true, CAI_REDUCE_SUM, ShardGroup());
     }
@@ -832,11 +835,13 @@ class Fsdp {
     PendingReduce r = std::move(reduces_.front());
     reduces_.pop_front();
     const Unit& u = *r.unit;
-    r.work.Wait();
+    overlap_.Wait([&] { r.work.Wait(); });
     Buffer& wire = shards_ > 1 ? r.part : r.wire;
     const cai_tensor mine = View(wire, reduce_, 0, &u.shard);
     if (replicas_ > 1) {
-      RunCollective(CAI_COMM_ALL_REDUCE, nullptr, mine, false, CAI_REDUCE_SUM, ReplicaGroup());
+      overlap_.Wait([&] {
+        RunCollective(CAI_COMM_ALL_REDUCE, nullptr, mine, false, CAI_REDUCE_SUM, ReplicaGroup());
+      });
     }
     const cai_tensor shard = View(grads_, kF32, u.base, &u.shard);
     if (offload_) {
@@ -851,6 +856,7 @@ class Fsdp {
 
   void FinishReduces() {
     while (!reduces_.empty()) FinishReduce();
+    overlap_.Completed();
   }
 
   static cai_status* OnUnitHook(void* self, const cai_hook_event* event) {
@@ -1096,6 +1102,7 @@ class Fsdp {
   bool no_sync_ = false;
   std::deque<PendingReduce> reduces_;  // oldest first, in the order every rank issued them
   size_t reduces_in_flight_ = 1;       // left pending when ReduceGrads returns
+  cai::sdk::OverlapMeter overlap_;     // of the reductions (stats.overlap_ratio)
   std::vector<uint8_t> used_;    // trainable parameter got a gradient on this rank since zero_grad
   uint64_t gathered_bytes_ = 0;  // gathered units alive now
   uint64_t forward_param_peak_ = 0;

@@ -179,7 +179,7 @@ class LowLevelZero {
   void Stats(cai_strategy_stats& stats) {
     stats.param_bytes = cai::sdk::FrozenParamBytes(model_);
     zero_->AddStats(stats);
-    stats.overlap_ratio = 0;
+    stats.overlap_ratio = zero_->overlap_ratio();
   }
 
   static void EstimateMemory(const cai_memory_estimate_args& args, cai_memory_estimate& out) {

@@ -770,12 +770,14 @@ void Run::WriteSummary(double wall_s) {
   // Per-rank figures travel to rank 0 in one all-gather: peak bytes per tier, peak RSS, bytes
   // handed to each collective and bytes sent on the wire for it, summed over the steps (-1:
   // not measurable, e.g. NCCL), what the strategy holds (sharding strategies hold different
-  // amounts on different ranks), and LibTorch's own allocations (peak, and live now).
+  // amounts on different ranks), LibTorch's own allocations (peak, and live now), and the
+  // strategy's overlap_ratio in parts per million.
   constexpr size_t kHanded = CAI_MEM_NUM_TIERS + 1;
   constexpr size_t kWire = kHanded + CAI_COMM_NUM_OPS;
   constexpr size_t kStats = kWire + CAI_COMM_NUM_OPS;
   constexpr size_t kFramework = kStats + 4;
-  constexpr size_t kFields = kFramework + 2;
+  constexpr size_t kOverlap = kFramework + 2;
+  constexpr size_t kFields = kOverlap + 1;
   cai_strategy_stats stats{};
   stats.struct_size = CAI_STRATEGY_STATS_STRUCT_SIZE;
   ThrowIfError(strategy_.api->stats(instance_, &stats));
@@ -787,6 +789,7 @@ void Run::WriteSummary(double wall_s) {
   const FrameworkMemory framework = FrameworkMemoryUsage();
   mine[kFramework + 0] = static_cast<int64_t>(framework.peak_bytes);
   mine[kFramework + 1] = static_cast<int64_t>(framework.current_bytes);
+  mine[kOverlap] = std::llround(1e6 * stats.overlap_ratio);
   for (int tier = 0; tier < CAI_MEM_NUM_TIERS; ++tier) {
     cai_mem_usage usage{};
     usage.struct_size = CAI_MEM_USAGE_STRUCT_SIZE;
@@ -822,6 +825,7 @@ void Run::WriteSummary(double wall_s) {
                         .Add("framework_bytes_at_end", f[kFramework + 1])
                         .AddRaw("comm_bytes_per_step_mean", handed.str())
                         .AddRaw("wire_bytes_per_step_mean", wire.str())
+                        .Add("overlap_ratio", static_cast<double>(f[kOverlap]) / 1e6)
                         .AddRaw("strategy_bytes", JsonObject()
                                                       .Add("params", f[kStats + 0])
                                                       .Add("grads", f[kStats + 1])

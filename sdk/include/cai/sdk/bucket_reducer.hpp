@@ -21,7 +21,6 @@
 #define CAI_SDK_BUCKET_REDUCER_HPP_
 
 #include <algorithm>
-#include <chrono>
 #include <optional>
 #include <span>
 #include <string>
@@ -30,6 +29,7 @@
 
 #include "cai/sdk.hpp"
 #include "cai/sdk/flat.hpp"
+#include "cai/sdk/overlap.hpp"
 #include "cai/sdk/step.hpp"
 
 namespace cai::sdk {
@@ -131,12 +131,9 @@ class BucketReducer {
   // Per slot of layout(): whether the step updates it (it got a gradient on some rank). All
   // slots without find_unused_parameters.
   const std::vector<uint8_t>& updated() const { return update_; }
-  // Share of the communication window (first launch to last completion) that backward
-  // compute covered: 1 - (time waited after backward) / (window).
-  double overlap_ratio() const {
-    const double window = hidden_s_ + exposed_s_;
-    return window > 0 ? hidden_s_ / window : 0;
-  }
+  // Share of the communication windows (first launch to last completion) that backward
+  // compute covered (OverlapMeter).
+  double overlap_ratio() const { return overlap_.ratio(); }
   // "[b0 b1 ...]" bucket sizes in bytes, for the owner's log line.
   std::string DescribeBuckets() const {
     std::string sizes;
@@ -165,7 +162,7 @@ class BucketReducer {
     std::fill(ready_.begin(), ready_.end(), 0);
     for (Bucket& b : buckets_) b.pending = b.end_slot - b.first_slot;
     next_launch_ = 0;
-    launch_time_.reset();
+    overlap_.Discard();
     armed_ = true;
     // A static graph leaves the same parameters unused every step: mark them at once so their
     // buckets are not held back until the end of backward.
@@ -177,7 +174,6 @@ class BucketReducer {
   // bucket views) copies the reduced sums back into .grad, as after PyTorch DDP's backward.
   void Finish() {
     armed_ = false;
-    const Clock::time_point backward_end = Clock::now();
     std::string unused;
     for (size_t slot = 0; slot < layout_.size(); ++slot) {
       if (ready_[slot]) continue;
@@ -195,13 +191,10 @@ class BucketReducer {
                       "freeze them (model.freeze)");
     }
     LaunchReadyBuckets();
-    for (Bucket& b : buckets_) b.work.Wait();
-    const Clock::time_point done = Clock::now();
-    if (launch_time_) {
-      const Clock::time_point start = std::max(*launch_time_, backward_end);
-      hidden_s_ += std::chrono::duration<double>(start - *launch_time_).count();
-      exposed_s_ += std::chrono::duration<double>(done - start).count();
-    }
+    overlap_.Wait([&] {
+      for (Bucket& b : buckets_) b.work.Wait();
+    });
+    overlap_.Completed();
     if (options_.find_unused_parameters) SettleUnused();
     if (!options_.gradient_as_bucket_view) CopyBucketsToGrads();
     reduced_ = true;
@@ -272,7 +265,6 @@ class BucketReducer {
   }
 
  private:
-  using Clock = std::chrono::steady_clock;
   struct Bucket {
     size_t first_slot = 0, end_slot = 0;
     size_t offset = 0;  // elements into the flat buffers
@@ -324,7 +316,7 @@ class BucketReducer {
   void LaunchReadyBuckets() {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
       Bucket& b = buckets_[next_launch_++];
-      if (!launch_time_) launch_time_ = Clock::now();
+      overlap_.Launched();
       b.work = RunCollective(CAI_COMM_ALL_REDUCE, nullptr, b.view, /*async=*/true, CAI_REDUCE_SUM,
                              options_.group);
     }
@@ -378,10 +370,9 @@ class BucketReducer {
   std::vector<uint8_t> ready_;       // slot is in its bucket for the current reduction
   std::vector<uint8_t> update_;      // slot is updated by this step (used on some rank)
   size_t next_launch_ = 0;
-  std::optional<Clock::time_point> launch_time_;
+  OverlapMeter overlap_;
   bool settled_ = false;
   std::vector<size_t> static_unused_;
-  double hidden_s_ = 0, exposed_s_ = 0;
 };
 
 // Data parallelism over a group with a full replica per rank, as PyTorch DDP: the given

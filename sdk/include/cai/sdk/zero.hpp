@@ -52,6 +52,7 @@
 #include "cai/sdk.hpp"
 #include "cai/sdk/collectives.hpp"
 #include "cai/sdk/flat.hpp"
+#include "cai/sdk/overlap.hpp"
 #include "cai/sdk/step.hpp"
 
 namespace cai::sdk {
@@ -342,6 +343,10 @@ class ZeroOptimizer {
     stats.master_bytes += master_.size();
   }
 
+  // Share of the gradient reductions' windows that compute covered (OverlapMeter): 0 without
+  // overlap_communication, where every reduce-scatter runs synchronously after backward.
+  double overlap_ratio() const { return overlap_.ratio(); }
+
  private:
   // Stage 2 keeps at most this many buckets' staging buffers in flight: the oldest reduction
   // is waited for before a further one starts, so gradient memory stays bounded by
@@ -431,6 +436,7 @@ class ZeroOptimizer {
     staging_.clear();
     staging_.resize(buckets_.size());
     next_launch_ = 0;
+    overlap_.Discard();
   }
 
   static cai_status* OnGradReadyHook(void* self, const cai_hook_event* event) {
@@ -503,8 +509,16 @@ class ZeroOptimizer {
       f.out = AllocFlat(CAI_MEM_DEVICE, bucket.chunk, o_.comm_dtype, "zero.bucket");
       output = FlatView(f.out, o_.comm_dtype, 0, &chunk);
     }
-    f.work = RunCollective(CAI_COMM_REDUCE_SCATTER, &input, output, o_.overlap_communication,
-                           CAI_REDUCE_SUM, o_.group);
+    if (o_.overlap_communication) {
+      overlap_.Launched();
+      f.work =
+          RunCollective(CAI_COMM_REDUCE_SCATTER, &input, output, true, CAI_REDUCE_SUM, o_.group);
+    } else {
+      overlap_.Wait([&] {
+        f.work =
+            RunCollective(CAI_COMM_REDUCE_SCATTER, &input, output, false, CAI_REDUCE_SUM, o_.group);
+      });
+    }
     flights_.push_back(std::move(f));
     // Bounded gradient memory: finish the oldest reduction before starting more.
     while (o_.stage == 2 && flights_.size() > kMaxInFlight) Complete();
@@ -513,7 +527,7 @@ class ZeroOptimizer {
   // Waits for the oldest reduction and lands its result in the shard.
   void Complete() {
     Flight& f = flights_.front();
-    f.work.Wait();
+    overlap_.Wait([&] { f.work.Wait(); });
     if (f.out.get()) {
       const Bucket& bucket = buckets_[f.bucket];
       int64_t chunk = static_cast<int64_t>(bucket.chunk);
@@ -539,6 +553,7 @@ class ZeroOptimizer {
     }
     LaunchReadyBuckets();
     while (!flights_.empty()) Complete();
+    overlap_.Completed();
     if (o_.stage == 1) {
       int64_t n = static_cast<int64_t>(layout_.numel());
       RunKernel(CAI_KERNEL_FILL, nullptr, FlatView(full_grads_, compute_dtype_, 0, &n), 0);
@@ -679,6 +694,7 @@ class ZeroOptimizer {
   std::vector<Buffer> staging_;      // stage 2: per bucket, filled as gradients arrive
   size_t next_launch_ = 0;
   std::deque<Flight> flights_;
+  OverlapMeter overlap_;
   std::vector<Work> gathers_;
 };
 

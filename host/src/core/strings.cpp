@@ -1,5 +1,7 @@
 #include "core/strings.h"
 
+#include <sys/ioctl.h>
+
 #include <algorithm>
 #include <vector>
 
@@ -52,6 +54,27 @@ std::string Join(std::span<const std::string_view> items) {
     out += item;
   }
   return out;
+}
+
+size_t Columns(std::string_view text) {
+  size_t n = 0;
+  for (char c : text) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  return n;
+}
+
+std::string_view FitColumns(std::string_view text, size_t columns) {
+  size_t seen = 0;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if ((static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) continue;
+    if (seen++ == columns) return text.substr(0, i);
+  }
+  return text;
+}
+
+int TerminalColumns(int fd) {
+  winsize size{};
+  if (::ioctl(fd, TIOCGWINSZ, &size) != 0) return 0;
+  return size.ws_col;
 }
 
 }  // namespace cai

@@ -21,4 +21,14 @@ std::string DidYouMean(std::string_view key, std::span<const std::string_view> c
 // Joins with ", ".
 std::string Join(std::span<const std::string_view> items);
 
+// Terminal columns `text` takes: one per UTF-8 code point (what cai prints has no wide or
+// combining characters).
+size_t Columns(std::string_view text);
+
+// `text` cut to at most `columns` columns at a code point boundary.
+std::string_view FitColumns(std::string_view text, size_t columns);
+
+// The width of the terminal `fd` refers to, or 0 if it is not a terminal or does not say.
+int TerminalColumns(int fd);
+
 }  // namespace cai

@@ -19,6 +19,7 @@
 #include <optional>
 
 #include "core/status.h"
+#include "core/strings.h"
 
 extern char** environ;
 
@@ -143,7 +144,8 @@ struct Child {
 class Launcher {
  public:
   explicit Launcher(const LaunchOptions& options)
-      : options_(options), console_(::isatty(STDOUT_FILENO) == 1) {}
+      : options_(options),
+        console_(::isatty(STDOUT_FILENO) == 1, {}, TerminalColumns(STDOUT_FILENO)) {}
 
   ~Launcher() {
     // Only reached with live children when something threw: leave nothing behind.
@@ -228,6 +230,12 @@ class Launcher {
     common.emplace_back("MASTER_PORT", std::to_string(port));
     common.emplace_back("CAI_RUN_ID", run_id);
     common.emplace_back(kStdoutTerminalVar, InPlace() ? "1" : "0");
+    const int columns = InPlace() ? TerminalColumns(STDOUT_FILENO) : 0;
+    if (columns > 0) {
+      const size_t prefix = RankPrefix(options_.nproc - 1).size();
+      common.emplace_back(kStdoutColumnsVar,
+                          std::to_string(std::max<int>(1, columns - static_cast<int>(prefix))));
+    }
 
     std::vector<std::string> argv_strings{exe.string()};
     argv_strings.insert(argv_strings.end(), options_.args.begin(), options_.args.end());
@@ -518,10 +526,16 @@ std::string_view ShownOnTerminal(std::string_view text) {
   return cr == std::string_view::npos ? text.substr(0, last + 1) : text.substr(cr + 1, last - cr);
 }
 
-RankConsole::RankConsole(bool terminal, Writer write)
-    : terminal_(terminal), write_(write ? std::move(write) : WriteFd) {}
+RankConsole::RankConsole(bool terminal, Writer write, int columns)
+    : terminal_(terminal), write_(write ? std::move(write) : WriteFd), columns_(columns) {}
 
-std::string RankConsole::Bar() const { return RankPrefix(bar_rank_) + bar_; }
+// Cut to the terminal's width less its last column, so the bar never wraps: a carriage return
+// goes back only to the start of the last line a wrapped one took.
+std::string RankConsole::Bar() const {
+  const std::string bar = RankPrefix(bar_rank_) + bar_;
+  if (columns_ <= 0) return bar;
+  return std::string(FitColumns(bar, static_cast<size_t>(columns_) - 1));
+}
 
 void RankConsole::Line(int rank, Stream stream, std::string_view line) {
   // Written as it is, a carriage return would send the line back over its own prefix.

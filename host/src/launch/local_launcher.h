@@ -42,6 +42,9 @@ using LineSink = std::function<void(int rank, Stream stream, std::string_view li
 // Set in every rank's environment: "1" where the launcher's stdout is a terminal and a rank's
 // in-place rewrites of its stdout line reach it as they come (RankConsole), "0" elsewhere.
 inline constexpr char kStdoutTerminalVar[] = "CAI_STDOUT_TTY";
+// Set with it where the terminal tells its width: the columns a rank's line has after the
+// launcher's "[rank N] " prefix.
+inline constexpr char kStdoutColumnsVar[] = "CAI_STDOUT_COLUMNS";
 
 // What a terminal shows of `text` once its carriage returns have rewritten the line: the part
 // after the last carriage return that text follows ("\r[#.] step 1\r[##] step 2" shows
@@ -58,8 +61,9 @@ class RankConsole {
  public:
   // Writes text to the launcher's stdout or stderr.
   using Writer = std::function<void(Stream stream, std::string_view text)>;
-  // `write` empty: the launcher's own stdout and stderr.
-  explicit RankConsole(bool terminal, Writer write = {});
+  // `write` empty: the launcher's own stdout and stderr. `columns` > 0: the terminal's width,
+  // which a bar is cut to.
+  explicit RankConsole(bool terminal, Writer write = {}, int columns = 0);
 
   bool terminal() const { return terminal_; }
   // A line a rank printed, without its newline; on a terminal, what the terminal would show of it.
@@ -75,6 +79,7 @@ class RankConsole {
 
   bool terminal_;
   Writer write_;
+  int columns_;
   int bar_rank_ = -1;  // -1: no bar shown
   std::string bar_;
 };

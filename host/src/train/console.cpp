@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string_view>
 
+#include "core/strings.h"
 #include "launch/local_launcher.h"
 #include "train/plan.h"
 
@@ -59,13 +60,35 @@ std::string FormatStepLine(const StepLine& line) {
   return text.str();
 }
 
-std::string FormatProgressBar(const StepLine& line) {
-  constexpr int kWidth = 24;
-  const int64_t steps = line.steps > 0 ? line.steps : 1;
-  const int filled = static_cast<int>(kWidth * std::min(line.step, steps) / steps);
+int StdoutColumns() {
+  if (::isatty(STDOUT_FILENO) == 1) return TerminalColumns(STDOUT_FILENO);
+  const char* columns = std::getenv(launch::kStdoutColumnsVar);
+  return columns != nullptr ? std::max(0, std::atoi(columns)) : 0;
+}
+
+std::string FormatProgressBar(const StepLine& line, int columns) {
+  constexpr size_t kFullBar = 24, kMinBar = 6, kFrame = 3;  // "[", "] "
+  const std::string text = FormatStepLine(line);
+  // The last column stays free: writing into it makes some terminals wrap, and a wrapped line
+  // is not what the carriage return goes back to.
+  const size_t room = columns > 0 ? static_cast<size_t>(columns) - 1 : SIZE_MAX;
+  const size_t shown = std::min(Columns(text), room);
+  size_t width = kFullBar;
+  if (shown + kFrame + kFullBar > room) {
+    width = room > shown + kFrame + kMinBar ? room - shown - kFrame : 0;
+  }
+  std::string bar = "\r";
+  if (width > 0) {
+    const int64_t steps = line.steps > 0 ? line.steps : 1;
+    const size_t filled =
+        width * static_cast<size_t>(std::min(line.step, steps)) / static_cast<size_t>(steps);
+    bar += "[" + std::string(filled, '#') + std::string(width - filled, '.') + "] ";
+  }
+  bar += FitColumns(text, shown);
   // The padding blanks what a longer earlier line (a skipped step's note) left behind.
-  return "\r[" + std::string(filled, '#') + std::string(kWidth - filled, '.') + "] " +
-         FormatStepLine(line) + "   " + (line.step >= line.steps ? "\n" : "");
+  const size_t used = (width > 0 ? width + kFrame : 0) + shown;
+  bar += std::string(columns > 0 ? room - std::min(room, used) : 3, ' ');
+  return bar + (line.step >= line.steps ? "\n" : "");
 }
 
 std::string FormatRunSummary(const RunSummary& s) {

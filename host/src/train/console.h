@@ -41,8 +41,13 @@ std::string FormatStepLine(const StepLine& line);
 
 // The same line as a progress bar that overwrites the previous one on a terminal: a carriage
 // return, "[#####...] ", the line, padding over a longer earlier line; a newline after the
-// last step only.
-std::string FormatProgressBar(const StepLine& line);
+// last step only. With `columns` (> 0) it fits in one line of that width: the bar narrows,
+// then goes, then the line is cut at its end.
+std::string FormatProgressBar(const StepLine& line, int columns = 0);
+
+// The width of the terminal rank 0's step lines reach: stdout's own, or under the local
+// launcher what it passes (launch::kStdoutColumnsVar); 0 when unknown.
+int StdoutColumns();
 
 struct RunSummary {
   std::string model;  // Model::Describe()

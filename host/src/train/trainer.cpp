@@ -748,7 +748,7 @@ void Run::Report(int64_t step, double loss, const cai_step_result& result, doubl
   text.eta_s = elapsed / static_cast<double>(done) * static_cast<double>(steps_ - step);
   text.skipped = result.skipped;
   if (progress_bar_) {
-    std::cout << FormatProgressBar(text) << std::flush;
+    std::cout << FormatProgressBar(text, StdoutColumns()) << std::flush;
   } else if (step % GetInt(*job_.train, "log_every") == 0 || step == steps_ || done == 1) {
     Log(CAI_LOG_INFO, "", FormatStepLine(text));
   }

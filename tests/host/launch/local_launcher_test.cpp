@@ -196,10 +196,13 @@ void PrintTo(const Written& w, std::ostream* os) {
   *os << (w.stream == Stream::kStdout ? "out:" : "err:") << ::testing::PrintToString(w.text);
 }
 
-RankConsole Recording(bool terminal, std::vector<Written>* written) {
-  return RankConsole(terminal, [written](Stream stream, std::string_view text) {
-    written->push_back({stream, std::string(text)});
-  });
+RankConsole Recording(bool terminal, std::vector<Written>* written, int columns = 0) {
+  return RankConsole(
+      terminal,
+      [written](Stream stream, std::string_view text) {
+        written->push_back({stream, std::string(text)});
+      },
+      columns);
 }
 
 TEST(RankConsole, OnATerminal_OtherLinesTakeTheBarsPlaceAndTheBarIsDrawnBelow) {
@@ -236,6 +239,19 @@ TEST(RankConsole, OnATerminal_FinishEndsABarLeftShowing) {
   const std::vector<Written> expected{{Stream::kStdout, "\r[rank 0] [#.] 1/2\033[K"},
                                       {Stream::kStdout, "\n"}};
   EXPECT_EQ(w, expected);
+}
+
+// The prefix makes a rank's bar wider than the rank knew: cut short of the last column, at a
+// character boundary, so that it never wraps.
+TEST(RankConsole, OnANarrowTerminal_TheBarIsCutToItsWidth) {
+  std::vector<Written> w;
+  RankConsole console = Recording(true, &w, 16);
+  console.Partial(0, "\r[#.] MFU – ETA 5s");
+  const std::vector<Written> expected{{Stream::kStdout, "\r[rank 0] [#.] M\033[K"}};
+  EXPECT_EQ(w, expected);
+  w.clear();
+  console.Partial(0, "\r[#.] –– ETA");
+  EXPECT_EQ(w.at(0).text, "\r[rank 0] [#.] –\033[K");
 }
 
 TEST(RankConsole, NotATerminal_LinesPassAsWrittenAndPartialTextWaits) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/strings.h"
 #include "util/subprocess.h"
 
 namespace {
@@ -37,6 +38,30 @@ TEST(Console, ProgressBar_OverwritesInPlaceAndEndsTheLineAfterTheLastStep) {
   const std::string last = cai::FormatProgressBar(Line(8, NAN));
   EXPECT_EQ(last.rfind("\r[########################] step 8/8", 0), 0u) << last;
   EXPECT_EQ(last.back(), '\n');
+}
+
+// A line wider than the terminal would wrap, and the carriage return would then redraw only its
+// last row: the bar narrows, then goes, then the line is cut, always short of the last column.
+TEST(Console, ProgressBar_FitsTheTerminalWidth) {
+  const std::string line = cai::FormatStepLine(Line(4, NAN));  // 63 columns
+  auto shown = [](const std::string& bar) {
+    return bar.substr(1, bar.find_last_not_of(" \n"));  // without "\r" and the padding
+  };
+  const std::string wide = cai::FormatProgressBar(Line(4, NAN), 120);
+  EXPECT_EQ(shown(wide), "[############............] " + line);
+  EXPECT_EQ(cai::Columns(wide) - 1, 119u) << "padded to the width less one column";
+
+  const std::string narrow = cai::FormatProgressBar(Line(4, NAN), 80);
+  EXPECT_EQ(shown(narrow), "[######.......] " + line);  // 79 - 63 - 3 = 13 columns of bar
+  EXPECT_EQ(cai::Columns(narrow) - 1, 79u);
+
+  const std::string bare = cai::FormatProgressBar(Line(4, NAN), 70);
+  EXPECT_EQ(shown(bare), line) << "no room for a bar of 6";
+
+  const std::string cut = cai::FormatProgressBar(Line(8, NAN), 40);
+  EXPECT_EQ(shown(cut), std::string(cai::FitColumns(cai::FormatStepLine(Line(8, NAN)), 39)));
+  EXPECT_EQ(cut.back(), '\n');
+  EXPECT_LE(cai::Columns(cut) - 2, 39u);
 }
 
 // PaLM's 6Ψ + 12·L·H·T, and MFU over every rank's peak.

@@ -17,6 +17,7 @@ import run  # noqa: E402
 def fake_run(pair, name, tokens, rss_mib, side="cai"):
     return {"pair": pair, "name": name, "side": side, "tokens_per_s": tokens,
             "peak_rss_bytes": rss_mib * run.MIB, "bytes_per_step": 400, "mfu": tokens / 1000,
+            "overlap": 0.5 if side == "cai" else None,
             "bytes_basis": "measured" if side == "cai" else "analytic: 4Ψ"}
 
 
@@ -97,12 +98,14 @@ class RunPyTest(unittest.TestCase):
                                    n_kv_head=2, n_embd=128)
         self.assertEqual(run.params(llama), 557696)
 
-    def test_Readme_SectionReplacedBetweenMarkersOnly(self):
+    def test_Readme_SectionReplacedBetweenItsJobsMarkersOnly(self):
         runs = [fake_run(0, "ddp", 100, 200), fake_run(0, "torch-ddp", 50, 400, "peer")]
         result = result_of(runs, ["ddp"], ["torch-ddp"], {"ddp": "torch-ddp"})
+        BEGIN, END = run.markers(result)
+        other = "<!-- run.py:begin gpt2-30m fp32 -->\nkept\n<!-- run.py:end gpt2-30m fp32 -->"
         with tempfile.TemporaryDirectory() as tmp:
             readme = Path(tmp) / "README.md"
-            readme.write_text(f"before\n{run.BEGIN}\nold\n{run.END}\nafter\n")
+            readme.write_text(f"before\n{BEGIN}\nold\n{END}\n{other}\nafter\n")
             results = Path(tmp) / "results" / "results.json"
             results.parent.mkdir()
             results.write_text(json.dumps(result))
@@ -115,14 +118,32 @@ class RunPyTest(unittest.TestCase):
             finally:
                 run.README = saved
             self.assertEqual(readme.read_text(), once)
-        self.assertTrue(once.startswith(f"before\n{run.BEGIN}\n## "))
-        self.assertTrue(once.endswith(f"{run.END}\nafter\n"))
+        self.assertTrue(once.startswith(f"before\n{BEGIN}\n### gpt2-tiny, fp32\n"))
+        self.assertTrue(once.endswith(f"{END}\n{other}\nafter\n"))
         self.assertNotIn("old", once)
         for needed in ("`bench/run.py build --pairs 3`", "2026-12-03", "/usr/lib/libopenblas.so",
                        "2 CPUs (AMD EPYC)", "Ψ = 842,496", "2.000 (2.000-2.000)", "a note",
                        "](results/plot.svg)", "61.2, 58.5 GFLOP/s", "5,842,944 FLOPs/token",
                        " 10.0% "):
             self.assertIn(needed, once)
+
+    def test_Readme_NewJob_SectionAddedWhereTheNewMarkerStands(self):
+        result = result_of([fake_run(0, "ddp", 1, 1)], ["ddp"], [], {"ddp": None})
+        with tempfile.TemporaryDirectory() as tmp:
+            readme = Path(tmp) / "README.md"
+            readme.write_text(f"before\n{run.NEW}\nafter\n")
+            results = Path(tmp) / "results.json"
+            results.write_text(json.dumps(result))
+            saved, run.README = run.README, readme
+            try:
+                with redirect_stdout(io.StringIO()):
+                    run.write_readme(results)
+            finally:
+                run.README = saved
+            text = readme.read_text()
+        BEGIN, END = run.markers(result)
+        self.assertTrue(text.startswith(f"before\n{BEGIN}\n"))
+        self.assertTrue(text.endswith(f"{END}\n\n{run.NEW}\nafter\n"))
 
     def test_Readme_WithoutMarkers_ExitsSayingWhatToAdd(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -137,7 +158,7 @@ class RunPyTest(unittest.TestCase):
                     run.write_readme(results)
             finally:
                 run.README = saved
-        self.assertIn(run.BEGIN, e.exception.code)
+        self.assertIn(run.NEW, e.exception.code)
 
 
 if __name__ == "__main__":

@@ -116,13 +116,13 @@ def flops_per_token(job, psi):
 
 
 def sgemm_peak(job):
-    """bench/sgemm_peak.py for the model's shapes at one rank's micro-batch (one thread, as each
-    rank computes): GFLOP/s per shape and their maximum."""
+    """bench/sgemm_peak.py for the model's shapes at one rank's micro-batch, in the run's
+    precision (one thread, as each rank computes): GFLOP/s per shape and their maximum."""
     tokens = job.global_batch // job.nproc * job.seq_len
     w = shapes(job)
     cmd = ["/usr/bin/python3", str(benchlib.HERE / "sgemm_peak.py"), "--tokens", str(tokens),
            "--n-embd", str(job.n_embd), "--ffn", str(w["ffn"]), "--qkv", str(w["qkv"]),
-           "--vocab", str(job.vocab_size)]
+           "--vocab", str(job.vocab_size), "--dtype", job.precision]
     out = subprocess.run(cmd, env=benchlib.environment(), check=True, capture_output=True,
                          text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -363,8 +363,8 @@ def readme_section(result, results_path):
         f"{result['load_average'][1]:.1f} at the end.",
         f"- Machine: {m['os']}, {m['nproc']} CPUs ({m['cpu']}).",
         f"- BLAS (cai rank 0): `{result['blas']}`.",
-        f"- sgemm bound (bench/sgemm_peak.py, one thread, the model's matmul shapes, before and "
-        f"after the pairs): {peaks} "
+        f"- Matmul bound (bench/sgemm_peak.py, one thread, the model's matmul shapes in "
+        f"{result['sgemm'][0].get('dtype', 'fp32')}, before and after the pairs): {peaks} "
         f"GFLOP/s; MFU = {result['flops_per_token']:,} FLOPs/token (6Ψ + 12·layers·d·T) × "
         f"tokens/s / (ranks × the higher).",
         f"- Job: {describe_job(result)}.",

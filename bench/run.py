@@ -80,8 +80,16 @@ README = benchlib.HERE / "README.md"
 NEW = "<!-- run.py:new -->"
 
 
+def section(result):
+    """The job a README section is about: size and precision, and the plugin keys a sweep of
+    variants set (so a sweep does not replace the job's own section)."""
+    swept = variants(result["strategies"])
+    return (f"{result['size']} {result['job']['precision']}" +
+            (f" sweep of {','.join(swept)}" if swept else ""))
+
+
 def markers(result):
-    key = f"{result['size']} {result['job']['precision']}"
+    key = section(result)
     return f"<!-- run.py:begin {key} -->", f"<!-- run.py:end {key} -->"
 
 
@@ -128,13 +136,38 @@ def sgemm_peak(job):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def strategy(name):
+    """(plugin, its [plugin.<name>] table, PyTorch peer) of a strategy: one of STRATEGIES, or a
+    variant of one with plugin keys set, BASE:key=value[:key=value...] (e.g.
+    ddp:bucket_cap_mb=100), which the plugin validates like any job's keys."""
+    base, *sets = name.split(":")
+    plugin, options, peer = STRATEGIES[base]
+    for kv in sets:
+        key, value = kv.split("=", 1)
+        options += f"{key.strip()} = {value.strip()}\n"
+    return plugin, options, peer
+
+
+def is_strategy(name):
+    base, *sets = name.split(":")
+    return base in STRATEGIES and all(
+        "=" in kv and kv.split("=", 1)[0].strip() and kv.split("=", 1)[1].strip() for kv in sets)
+
+
+def variants(strategies):
+    """The plugin keys the strategies set beyond their base (sorted), e.g. ['bucket_cap_mb']."""
+    return sorted({kv.split("=", 1)[0].strip() for s in strategies for kv in s.split(":")[1:]})
+
+
 def names(text, valid, what):
     """The comma-separated names of text, each checked against valid."""
     chosen = [n for n in text.split(",") if n]
     for n in chosen:
-        if n not in valid:
-            near = difflib.get_close_matches(n, valid, 1)
+        if n not in valid and not (valid is STRATEGIES and is_strategy(n)):
+            near = difflib.get_close_matches(n.split(":")[0], valid, 1)
             hint = f" did you mean '{near[0]}'?" if near else ""
+            if valid is STRATEGIES and ":" in n:
+                hint += " (a variant is BASE:key=value[:key=value...])"
             sys.exit(f"run.py: unknown {what} '{n}'.{hint} valid: {', '.join(valid)}")
     return chosen
 
@@ -152,7 +185,8 @@ def parse_args(argv):
     p.add_argument("--n-kv-head", dest="n_kv_head", type=int)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--strategies", default="ddp,zero1,zero2,zero2-offload,fsdp",
-                   help="comma-separated, of " + ", ".join(STRATEGIES))
+                   help="comma-separated, of " + ", ".join(STRATEGIES) +
+                   ", each optionally with plugin keys set: BASE:key=value[:key=value...]")
     p.add_argument("--peers", help="comma-separated, of " + ", ".join(PEERS) +
                    ", or none (default: the strategies' peers when they can run the job)")
     p.add_argument("--out", type=Path, default=benchlib.HERE / "results",
@@ -182,7 +216,7 @@ def plan(args):
     if args.precision != "fp32":
         why_not.append(f"bench/peers train in fp32 only, not {args.precision}")
     if args.peers is None:
-        peers = [] if why_not else list(dict.fromkeys(STRATEGIES[s][2] for s in strategies))
+        peers = [] if why_not else list(dict.fromkeys(strategy(s)[2] for s in strategies))
     elif args.peers == "none":
         peers = []
     else:
@@ -192,13 +226,13 @@ def plan(args):
                      "leave --peers out to compare the strategies with each other")
     refs = {}
     for s in strategies:
-        peer = STRATEGIES[s][2]
+        peer = strategy(s)[2]
         refs[s] = peer if peer in peers else (strategies[0] if s != strategies[0] else None)
     if why_not:
         notes.append(f"No PyTorch peer ran: {'; '.join(why_not)}. This is a cai-only comparison: "
                      f"ratios are against cai's {strategies[0]}.")
     else:
-        unpaired = [s for s in strategies if refs[s] in STRATEGIES]
+        unpaired = [s for s in strategies if refs[s] in strategies]
         if unpaired:
             notes.append(f"{', '.join(unpaired)} compared with cai's {strategies[0]}: --peers "
                          "left out their PyTorch peer.")
@@ -214,9 +248,10 @@ def plan(args):
 
 
 def run_candidate(build, args, work, pair, name):
-    plugin, options, _ = STRATEGIES[name]
+    plugin, options, _ = strategy(name)
     table = f"\n[plugin.{plugin}]\n{options}"
-    summary = benchlib.run_cai(build, args, work / f"pair{pair + 1}-{name}", plugin, table)
+    run_dir = work / f"pair{pair + 1}-{name.replace(':', '-').replace('=', '-')}"
+    summary = benchlib.run_cai(build, args, run_dir, plugin, table)
     figures = benchlib.cai_figures(summary)
     return dict(figures, side="cai", bytes_basis="measured", raw=summary)
 
@@ -352,7 +387,7 @@ def readme_section(result, results_path):
     begin, end = markers(result)
     lines = [
         begin,
-        f"### {result['size']}, {result['job']['precision']}",
+        "### " + section(result).replace(" ", ", ", 1),
         "",
         f"Generated by `bench/run.py --readme {os.path.relpath(results_path, README.parent.parent)}"
         "` from the run's results.json; edit run.py, not this section.",
@@ -388,18 +423,18 @@ def readme_section(result, results_path):
 def write_readme(results_path):
     result = json.loads(results_path.read_text())
     text = README.read_text()
-    section = readme_section(result, results_path)
+    body = readme_section(result, results_path)
     BEGIN, END = markers(result)
     begin, end = text.find(BEGIN), text.find(END)
     if begin >= 0 and end > begin:
-        README.write_text(text[:begin] + section + text[end + len(END):])
+        README.write_text(text[:begin] + body + text[end + len(END):])
     elif NEW in text:
         at = text.find(NEW)
-        README.write_text(text[:at] + section + "\n\n" + text[at:])
+        README.write_text(text[:at] + body + "\n\n" + text[at:])
     else:
         sys.exit(f"run.py: {README} has neither '{BEGIN}' ... '{END}' to replace nor '{NEW}' "
                  "to add this job's section at; add the line where sections belong")
-    print(f"run.py: regenerated the {result['size']} {result['job']['precision']} section of "
+    print(f"run.py: regenerated the {section(result)} section of "
           f"{README} from {results_path}")
 
 
@@ -410,7 +445,7 @@ def main():
         return
     build = args.build.resolve()
     strategies, peers, refs, notes = plan(args)
-    for plugin in {STRATEGIES[s][0] for s in strategies}:
+    for plugin in {strategy(s)[0] for s in strategies}:
         if not (build / "lib" / "cai" / "plugins" / f"{plugin}.toml").is_file():
             sys.exit(f"run.py: {build} has no lib/cai/plugins/{plugin}.toml; build it first")
     job = {k: getattr(args, k) for k in ("kind", "vocab_size", "n_ctx", "n_layer", "n_head",
@@ -428,7 +463,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="run_py_") as tmp:
         for pair in range(args.pairs):
             for name in pair_order(pair, strategies, peers, refs):
-                r = (run_candidate(build, args, Path(tmp), pair, name) if name in STRATEGIES
+                r = (run_candidate(build, args, Path(tmp), pair, name) if is_strategy(name)
                      else run_peer(args, name))
                 runs.append(dict(r, pair=pair, name=name))
                 print(f"pair {pair + 1}  {name:14} {r['tokens_per_s']:9.0f} tokens/s "

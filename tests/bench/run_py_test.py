@@ -79,6 +79,23 @@ class RunPyTest(unittest.TestCase):
         with redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
             run.parse_args(["build", "--size", "gpt2-3m"])
 
+    def test_Variants_SetPluginKeysAndGetTheirOwnSection(self):
+        self.assertEqual(run.strategy("zero2:reduce_bucket_size_in_m=48:overlap_communication=false"),
+                         ("low_level_zero", "stage = 2\nreduce_bucket_size_in_m = 48\n"
+                          "overlap_communication = false\n", "torch-zero"))
+        chosen = run.names("ddp,ddp:bucket_cap_mb=100", run.STRATEGIES, "strategy")
+        args = argparse.Namespace(strategies=",".join(chosen), peers="none", kind="gpt2",
+                                  precision="fp32")
+        strategies, peers, refs, notes = run.plan(args)
+        self.assertEqual(refs, {"ddp": None, "ddp:bucket_cap_mb=100": "ddp"})
+        result = result_of([fake_run(0, s, 1, 1) for s in strategies], strategies, [], refs)
+        self.assertEqual(run.markers(result)[0],
+                         "<!-- run.py:begin gpt2-tiny fp32 sweep of bucket_cap_mb -->")
+        for bad in ("ddp:bucket_cap_mb", "ddp:=3", "zero3:stage=1"):
+            with self.assertRaises(SystemExit) as e:
+                run.names(bad, run.STRATEGIES, "strategy")
+            self.assertIn("BASE:key=value", e.exception.code)
+
     def test_SizeOptions_OverridePreset(self):
         args = run.parse_args(["build", "--size", "llama-100m", "--n-layer", "2"])
         self.assertEqual((args.kind, args.n_layer, args.n_kv_head), ("llama", 2, 4))

@@ -226,16 +226,19 @@ def plan(args):
                      "leave --peers out to compare the strategies with each other")
     refs = {}
     for s in strategies:
-        peer = strategy(s)[2]
-        refs[s] = peer if peer in peers else (strategies[0] if s != strategies[0] else None)
+        peer, base = strategy(s)[2], s.split(":")[0]
+        # Without its peer a variant is compared with its base strategy where that ran too.
+        fallback = base if base != s and base in strategies else strategies[0]
+        refs[s] = peer if peer in peers else (fallback if s != fallback else None)
     if why_not:
         notes.append(f"No PyTorch peer ran: {'; '.join(why_not)}. This is a cai-only comparison: "
-                     f"ratios are against cai's {strategies[0]}.")
+                     f"ratios are against cai's {strategies[0]} (a variant's against its "
+                     "base where that ran).")
     else:
         unpaired = [s for s in strategies if refs[s] in strategies]
         if unpaired:
-            notes.append(f"{', '.join(unpaired)} compared with cai's {strategies[0]}: --peers "
-                         "left out their PyTorch peer.")
+            notes.append(f"{', '.join(f'{s} compared with {refs[s]}' for s in unpaired)}: "
+                         "--peers left out their PyTorch peer.")
     if "zero2-offload" in strategies:
         notes.append("zero2-offload: over Gloo on the CPU the device and host tiers are the same "
                      "memory, so its RSS cannot drop; the row shows what the offload path costs.")

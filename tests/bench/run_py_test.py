@@ -83,14 +83,16 @@ class RunPyTest(unittest.TestCase):
         self.assertEqual(run.strategy("zero2:reduce_bucket_size_in_m=48:overlap_communication=false"),
                          ("low_level_zero", "stage = 2\nreduce_bucket_size_in_m = 48\n"
                           "overlap_communication = false\n", "torch-zero"))
-        chosen = run.names("ddp,ddp:bucket_cap_mb=100", run.STRATEGIES, "strategy")
+        chosen = run.names("ddp,ddp:bucket_cap_mb=100,zero2,zero2:stage=1", run.STRATEGIES,
+                           "strategy")
         args = argparse.Namespace(strategies=",".join(chosen), peers="none", kind="gpt2",
                                   precision="fp32")
         strategies, peers, refs, notes = run.plan(args)
-        self.assertEqual(refs, {"ddp": None, "ddp:bucket_cap_mb=100": "ddp"})
+        self.assertEqual(refs, {"ddp": None, "ddp:bucket_cap_mb=100": "ddp", "zero2": "ddp",
+                                "zero2:stage=1": "zero2"})
         result = result_of([fake_run(0, s, 1, 1) for s in strategies], strategies, [], refs)
         self.assertEqual(run.markers(result)[0],
-                         "<!-- run.py:begin gpt2-tiny fp32 sweep of bucket_cap_mb -->")
+                         "<!-- run.py:begin gpt2-tiny fp32 sweep of bucket_cap_mb,stage -->")
         for bad in ("ddp:bucket_cap_mb", "ddp:=3", "zero3:stage=1"):
             with self.assertRaises(SystemExit) as e:
                 run.names(bad, run.STRATEGIES, "strategy")

@@ -274,7 +274,23 @@ Buffer Slice(const Buffer& b, const Part& part) {
   return Buffer{b.data + part.lo * DTypeSize(b.dtype), part.len, b.dtype, b.cuda_device};
 }
 
-size_t SegmentFor(size_t element) { return std::max(element, kSegmentBytes / element * element); }
+// What a ring of our own needs to know: the neighbours, the part's place and size in bytes,
+// the segment its messages are cut into, and when the operation must be done.
+struct Ring {
+  Ring(const gloo::Context& context, const OpSpec& spec, const Part& part)
+      : n(context.size),
+        r(context.rank),
+        left((r + n - 1) % n),
+        right((r + 1) % n),
+        element(DTypeSize(spec.output.dtype)),
+        part_offset(part.lo * element),
+        part_bytes(part.len * element),
+        segment(std::max(element, kSegmentBytes / element * element)),
+        deadline(std::chrono::steady_clock::now() + spec.timeout) {}
+  int n, r, left, right;
+  size_t element, part_offset, part_bytes, segment;
+  std::chrono::steady_clock::time_point deadline;
+};
 
 std::chrono::milliseconds Remaining(std::chrono::steady_clock::time_point deadline) {
   return std::max(std::chrono::milliseconds(1),
@@ -320,19 +336,12 @@ void Reduce(gloo::Context& context, const std::shared_ptr<gloo::Context>& shared
 // the input per call. The chunk arriving at step s is received in segments so that reducing
 // one overlaps the transfer of the next. Only `part` of every chunk moves on this context.
 void ReduceScatter(gloo::Context& context, const OpSpec& spec, const Part& part) {
-  const int n = context.size;
-  const int r = context.rank;
-  const size_t element = DTypeSize(spec.output.dtype);
+  const auto [n, r, left, right, element, part_offset, part_bytes, segment, deadline] =
+      Ring(context, spec, part);
   const size_t chunk_bytes = spec.output.bytes();
-  const size_t part_offset = part.lo * element;
-  const size_t part_bytes = part.len * element;
   const auto* in = spec.input.data;
-  const auto deadline = std::chrono::steady_clock::now() + spec.timeout;
   const ReduceFn reduce = ReduceFor(spec.output.dtype, spec.reduce);
   const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, spec.tag);
-  const int left = (r + n - 1) % n;
-  const int right = (r + 1) % n;
-  const size_t segment = SegmentFor(element);
 
   std::vector<std::byte> scratch(n > 2 ? 2 * part_bytes : 0);
   auto input_buffer = context.createUnboundBuffer(const_cast<std::byte*>(in), spec.input.bytes());
@@ -381,18 +390,11 @@ void ReduceScatter(gloo::Context& context, const OpSpec& spec, const Part& part)
 // each other. In place (as NCCL's) when the input is this rank's block of the output. Only
 // `part` of every block moves on this context.
 void AllGather(gloo::Context& context, const OpSpec& spec, const Part& part) {
-  const int n = context.size;
-  const int r = context.rank;
-  const size_t element = DTypeSize(spec.output.dtype);
+  const auto [n, r, left, right, element, part_offset, part_bytes, segment, deadline] =
+      Ring(context, spec, part);
   const size_t block_bytes = spec.input.bytes();
-  const size_t part_offset = part.lo * element;
-  const size_t part_bytes = part.len * element;
   std::byte* out = spec.output.data;
-  const auto deadline = std::chrono::steady_clock::now() + spec.timeout;
   const uint64_t slot = gloo::Slot::build(kAllGatherSlotPrefix, spec.tag);
-  const int left = (r + n - 1) % n;
-  const int right = (r + 1) % n;
-  const size_t segment = SegmentFor(element);
   auto block = [&](int b) { return static_cast<size_t>(b) * block_bytes + part_offset; };
 
   std::byte* mine = out + block(r);

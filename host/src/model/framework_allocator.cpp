@@ -3,7 +3,8 @@
 // c10/core/CPUAllocator.h); if a release changes it, this is the only file to touch.
 //
 // Each allocation asks the allocator it replaced for kHeader more bytes and keeps, in front of
-// the data, the size it counted and that allocator's own context and deleter. The DataPtr it
+// the data, the size it counted and that allocator's own context and deleter (a cached block
+// keeps them while it waits for reuse). The DataPtr it
 // returns has the data pointer as its context, so the context carries the size (the deleter
 // reads it from the header), and Allocator::raw_allocate, which asserts data == context, keeps
 // working for the LibTorch code that uses it.
@@ -14,38 +15,99 @@
 #include <c10/core/alignment.h>
 
 #include <atomic>
+#include <bit>
 #include <mutex>
 #include <new>
+#include <unordered_map>
+#include <vector>
 
 namespace cai {
 namespace {
 
 std::atomic<uint64_t> g_current{0};
 std::atomic<uint64_t> g_peak{0};
+std::atomic<uint64_t> g_max{0};  // the most ever live; ResetFrameworkPeak leaves it
 std::atomic<bool> g_installed{false};
 
 struct Header {
   void* inner_context;
   c10::DeleterFnPtr inner_deleter;
-  size_t bytes;
+  size_t bytes;  // counted: the request, or its size class for a block the cache may keep
 };
 // LibTorch's CPU allocator aligns to gAlignment (64 bytes, for AVX-512): a header of that size
 // keeps the data aligned as it would have been.
 constexpr size_t kHeader = c10::gAlignment;
 static_assert(sizeof(Header) <= kHeader);
 
+// Blocks from 1 MiB are rounded up to a size class (eight per power of two, at most 12.5%
+// more) so that a freed block serves any later request of its class. Smaller ones stay with
+// glibc, whose heap reuses them without returning them to the kernel.
+constexpr size_t kCacheMin = size_t{1} << 20;
+
+size_t SizeClass(size_t bytes) {
+  if (bytes < kCacheMin) return bytes;
+  const size_t step = (size_t{1} << (std::bit_width(bytes) - 1)) / 8;
+  return (bytes + step - 1) / step * step;
+}
+
+// Freed large blocks kept for reuse, as PyTorch's CUDA caching allocator keeps device memory:
+// every step allocates the same activation buffers, and memory handed back to the kernel is
+// page-faulted in again on the next step (on a virtual machine, where a fault costs
+// microseconds, a third of a rank's time). The cache keeps a block only while the blocks
+// live and cached together stay within the most ever live at once, so the process never holds
+// more than it did at its peak without the cache.
+struct Cache {
+  std::mutex mutex;
+  std::unordered_map<size_t, std::vector<char*>> free;  // size class -> headers of free blocks
+  uint64_t cached_bytes = 0;
+  bool enabled = true;
+};
+Cache& TheCache() {
+  static Cache* cache = new Cache;  // outlives every static tensor freed at exit
+  return *cache;
+}
+
 void Count(uint64_t bytes) {
   const uint64_t now = g_current.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-  uint64_t peak = g_peak.load(std::memory_order_relaxed);
-  while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  for (auto* high : {&g_peak, &g_max}) {
+    uint64_t seen = high->load(std::memory_order_relaxed);
+    while (now > seen && !high->compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+    }
   }
+}
+
+void Release(char* base) {
+  const Header header = *reinterpret_cast<const Header*>(base);
+  if (header.inner_deleter != nullptr) header.inner_deleter(header.inner_context);
 }
 
 void Delete(void* data) {
   char* base = static_cast<char*>(data) - kHeader;
-  const Header header = *reinterpret_cast<const Header*>(base);
-  g_current.fetch_sub(header.bytes, std::memory_order_relaxed);
-  if (header.inner_deleter != nullptr) header.inner_deleter(header.inner_context);
+  const size_t bytes = reinterpret_cast<const Header*>(base)->bytes;
+  const uint64_t live = g_current.fetch_sub(bytes, std::memory_order_relaxed) - bytes;
+  if (bytes >= kCacheMin) {
+    Cache& cache = TheCache();
+    std::lock_guard lock(cache.mutex);
+    if (cache.enabled &&
+        live + cache.cached_bytes + bytes <= g_max.load(std::memory_order_relaxed)) {
+      cache.free[bytes].push_back(base);
+      cache.cached_bytes += bytes;
+      return;
+    }
+  }
+  Release(base);
+}
+
+// A cached block of the class, or nullptr.
+char* Reuse(size_t bytes) {
+  Cache& cache = TheCache();
+  std::lock_guard lock(cache.mutex);
+  auto it = cache.free.find(bytes);
+  if (it == cache.free.end() || it->second.empty()) return nullptr;
+  char* base = it->second.back();
+  it->second.pop_back();
+  cache.cached_bytes -= bytes;
+  return base;
 }
 
 class CountingAllocator final : public c10::Allocator {
@@ -54,20 +116,33 @@ class CountingAllocator final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t bytes) const override {
     if (bytes == 0) return inner_->allocate(0);  // nothing to count; no memory behind it
-    c10::DataPtr block = inner_->allocate(bytes + kHeader);
-    char* base = static_cast<char*>(block.get());
-    const c10::Device device = block.device();
-    const c10::DeleterFnPtr inner_deleter = block.get_deleter();
-    void* inner_context = block.release_context();  // the header owns it from here
-    new (base) Header{inner_context, inner_deleter, bytes};
-    Count(bytes);
+    const size_t counted = SizeClass(bytes);
+    char* base = counted >= kCacheMin ? Reuse(counted) : nullptr;
+    if (base == nullptr) base = Fresh(counted);
+    Count(counted);
     char* data = base + kHeader;
-    return {data, data, &Delete, device};
+    return {data, data, &Delete, c10::Device(c10::DeviceType::CPU)};
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &Delete; }
 
  private:
+  char* Fresh(size_t bytes) const {
+    c10::DataPtr block;
+    try {
+      block = inner_->allocate(bytes + kHeader);
+    } catch (const c10::Error&) {
+      // What the cache keeps may be what is missing: give it back and try once more.
+      if (EmptyFrameworkCache() == 0) throw;
+      block = inner_->allocate(bytes + kHeader);
+    }
+    char* base = static_cast<char*>(block.get());
+    const c10::DeleterFnPtr inner_deleter = block.get_deleter();
+    void* inner_context = block.release_context();  // the header owns it from here
+    new (base) Header{inner_context, inner_deleter, bytes};
+    return base;
+  }
+
   c10::Allocator* inner_;
 };
 
@@ -86,8 +161,38 @@ void InstallFrameworkAllocator() {
 
 bool FrameworkAllocatorInstalled() { return g_installed; }
 
+void SetFrameworkCaching(bool enabled) {
+  {
+    std::lock_guard lock(TheCache().mutex);
+    TheCache().enabled = enabled;
+  }
+  if (!enabled) EmptyFrameworkCache();
+}
+
+uint64_t EmptyFrameworkCache() {
+  std::unordered_map<size_t, std::vector<char*>> blocks;
+  uint64_t bytes = 0;
+  {
+    Cache& cache = TheCache();
+    std::lock_guard lock(cache.mutex);
+    blocks.swap(cache.free);
+    bytes = cache.cached_bytes;
+    cache.cached_bytes = 0;
+  }
+  for (auto& [size, bases] : blocks) {
+    for (char* base : bases) Release(base);
+  }
+  return bytes;
+}
+
 FrameworkMemory FrameworkMemoryUsage() {
-  return {g_current.load(std::memory_order_relaxed), g_peak.load(std::memory_order_relaxed)};
+  uint64_t cached = 0;
+  {
+    std::lock_guard lock(TheCache().mutex);
+    cached = TheCache().cached_bytes;
+  }
+  return {g_current.load(std::memory_order_relaxed), g_peak.load(std::memory_order_relaxed), cached,
+          g_max.load(std::memory_order_relaxed)};
 }
 
 void ResetFrameworkPeak() { g_peak = g_current.load(std::memory_order_relaxed); }

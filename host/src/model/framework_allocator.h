@@ -6,6 +6,11 @@
 //
 // Only allocations made after InstallFrameworkAllocator are counted, and only their frees
 // subtracted. Host-side only: the ABI does not carry these figures (yet). Thread-safe.
+//
+// Freed blocks of 1 MiB or more are cached for reuse (rounded up to one of eight size classes
+// per power of two), as PyTorch caches device memory, so a step does not page-fault in again
+// the activation buffers the last step freed. The cache never makes the live and cached bytes
+// together exceed the most that was ever live, and is emptied before an allocation fails.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +20,8 @@ namespace cai {
 struct FrameworkMemory {
   uint64_t current_bytes = 0;  // live bytes allocated through the counting allocator
   uint64_t peak_bytes = 0;     // the most live at once since install or ResetFrameworkPeak
+  uint64_t cached_bytes = 0;   // freed, kept for reuse (not in current_bytes)
+  uint64_t max_bytes = 0;      // the most live at once since install (the cache's limit)
 };
 
 // Puts the counting allocator in front of LibTorch's CPU allocator, once per process (later
@@ -22,6 +29,11 @@ struct FrameworkMemory {
 // synchronise the switch.
 void InstallFrameworkAllocator();
 bool FrameworkAllocatorInstalled();
+
+// On by default; off empties the cache, and freed blocks go back to LibTorch's allocator.
+void SetFrameworkCaching(bool enabled);
+// Returns the cached blocks to LibTorch's allocator; the bytes given back.
+uint64_t EmptyFrameworkCache();
 
 FrameworkMemory FrameworkMemoryUsage();
 // The peak restarts from what is live now.

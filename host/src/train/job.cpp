@@ -118,6 +118,11 @@ const cai_config_key kTrainKeys[] = {
     IntKey("eval_batches", "4", "Global batches per evaluation.", 1, 0, kMin),
     IntKey("log_every", "10", "Log a line every this many steps (without a terminal).", 1, 0, kMin),
     IntKey("threads", "0", "Compute threads per rank (0 = cores / ranks, at least 1).", 0, 0, kMin),
+    BoolKey("cpu_caching_allocator", "true",
+            "Keep LibTorch's freed CPU blocks of 1 MiB or more for reuse by later steps, as "
+            "PyTorch caches device memory, instead of returning them to the kernel and "
+            "page-faulting them in again every step; the cache never holds more than the most "
+            "LibTorch had live at once."),
     FloatKey("peak_flops", "0",
              "Peak FLOP/s of one rank's device (e.g. 989e12 for an H100's dense bf16), for the "
              "MFU of the step line and metrics.jsonl: model FLOPs per token (6 x parameters + 12 "

@@ -949,6 +949,7 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
         std::llround(1000 * GetFloat(*job.launch, "heartbeat_timeout_s")));
     comm.check_calls = GetBool(*job.launch, "check_calls");
     comm.lanes = static_cast<int>(GetInt(*job.launch, "comm_lanes"));
+    SetFrameworkCaching(GetBool(*job.train, "cpu_caching_allocator"));
     comm.socket_ifname = GetString(*job.launch, "socket_ifname");
     comm.on_peer_failure = [](const std::string& report) {
       // The training loop may be computing, not waiting on the communicator, for a long time:

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace cai {
@@ -41,6 +42,58 @@ TEST(FrameworkAllocator, TensorOfNBytes_IsCountedWhileItLivesAndPeakStays) {
   EXPECT_GE(FrameworkMemoryUsage().current_bytes, after.current_bytes + 1000);
   cpu->raw_deallocate(raw);
   EXPECT_EQ(FrameworkMemoryUsage().current_bytes, after.current_bytes);
+}
+
+TEST(FrameworkAllocator, FreedLargeBlock_IsReusedBySameSizeClassWithinTheMostEverLive) {
+  InstallFrameworkAllocator();
+  SetFrameworkCaching(true);
+  EmptyFrameworkCache();
+  constexpr int64_t kElements = 3 << 20;  // 12 MiB: a size class of its own
+  void* first = nullptr;
+  {
+    torch::Tensor t = torch::ones({kElements}, torch::kFloat);
+    first = t.data_ptr();
+  }
+  const FrameworkMemory freed = FrameworkMemoryUsage();
+  EXPECT_GE(freed.cached_bytes, uint64_t{kElements} * sizeof(float));
+  {
+    // A slightly smaller request of the same class gets the same memory back, already paged in.
+    torch::Tensor t = torch::empty({kElements - 1000}, torch::kFloat);
+    EXPECT_EQ(t.data_ptr(), first);
+    EXPECT_EQ(FrameworkMemoryUsage().cached_bytes, freed.cached_bytes - 12 * (uint64_t{1} << 20));
+    t.fill_(3.0f);
+    EXPECT_EQ(t.sum().item<double>(), 3.0 * (kElements - 1000));
+  }
+  // Small blocks stay with glibc.
+  { torch::Tensor small = torch::empty({1000}, torch::kFloat); }
+  EXPECT_EQ(FrameworkMemoryUsage().cached_bytes, freed.cached_bytes);
+
+  // Live and cached together never exceed the most ever live: a freed block is kept only if
+  // that holds, else given back.
+  constexpr uint64_t kBig = 48 * (uint64_t{1} << 20);
+  const FrameworkMemory before = FrameworkMemoryUsage();
+  { torch::Tensor a = torch::empty({kElements * 4}, torch::kFloat); }  // 48 MiB
+  const FrameworkMemory after = FrameworkMemoryUsage();
+  const uint64_t most = std::max(before.max_bytes, before.current_bytes + kBig);
+  EXPECT_EQ(after.max_bytes, most);
+  const bool fits = before.current_bytes + before.cached_bytes + kBig <= most;
+  EXPECT_EQ(after.cached_bytes, before.cached_bytes + (fits ? kBig : 0));
+  EXPECT_LE(after.current_bytes + after.cached_bytes, after.max_bytes);
+  if (fits) {
+    // Once more with the 48 MiB cached: a second one would exceed the most ever live.
+    torch::Tensor a = torch::empty({kElements * 4}, torch::kFloat);
+    torch::Tensor b = torch::empty({kElements * 4}, torch::kFloat);
+  }
+  EXPECT_LE(FrameworkMemoryUsage().current_bytes + FrameworkMemoryUsage().cached_bytes,
+            FrameworkMemoryUsage().max_bytes);
+
+  const uint64_t cached = FrameworkMemoryUsage().cached_bytes;
+  EXPECT_EQ(EmptyFrameworkCache(), cached);
+  EXPECT_EQ(FrameworkMemoryUsage().cached_bytes, 0u);
+  SetFrameworkCaching(false);
+  { torch::Tensor t = torch::ones({kElements}, torch::kFloat); }
+  EXPECT_EQ(FrameworkMemoryUsage().cached_bytes, 0u);
+  SetFrameworkCaching(true);
 }
 
 }  // namespace

@@ -138,14 +138,21 @@ def sgemm_peak(job):
 
 def strategy(name):
     """(plugin, its [plugin.<name>] table, PyTorch peer) of a strategy: one of STRATEGIES, or a
-    variant of one with plugin keys set, BASE:key=value[:key=value...] (e.g.
-    ddp:bucket_cap_mb=100), which the plugin validates like any job's keys."""
+    variant of one with keys set, BASE:key=value[:key=value...]: a plain key is the plugin's
+    (ddp:bucket_cap_mb=100), a dotted one the job's (ddp:train.cpu_caching_allocator=false);
+    cai validates both like any job's keys."""
     base, *sets = name.split(":")
     plugin, options, peer = STRATEGIES[base]
     for kv in sets:
         key, value = kv.split("=", 1)
-        options += f"{key.strip()} = {value.strip()}\n"
+        if "." not in key:
+            options += f"{key.strip()} = {value.strip()}\n"
     return plugin, options, peer
+
+
+def job_sets(name):
+    """The --set KEY=VALUE arguments of a variant's dotted (job) keys."""
+    return [kv.strip() for kv in name.split(":")[1:] if "." in kv.split("=", 1)[0]]
 
 
 def is_strategy(name):
@@ -254,7 +261,7 @@ def run_candidate(build, args, work, pair, name):
     plugin, options, _ = strategy(name)
     table = f"\n[plugin.{plugin}]\n{options}"
     run_dir = work / f"pair{pair + 1}-{name.replace(':', '-').replace('=', '-')}"
-    summary = benchlib.run_cai(build, args, run_dir, plugin, table)
+    summary = benchlib.run_cai(build, args, run_dir, plugin, table, job_sets(name))
     figures = benchlib.cai_figures(summary)
     return dict(figures, side="cai", bytes_basis="measured", raw=summary)
 

@@ -83,6 +83,10 @@ class RunPyTest(unittest.TestCase):
         self.assertEqual(run.strategy("zero2:reduce_bucket_size_in_m=48:overlap_communication=false"),
                          ("low_level_zero", "stage = 2\nreduce_bucket_size_in_m = 48\n"
                           "overlap_communication = false\n", "torch-zero"))
+        self.assertEqual(run.strategy("ddp:train.cpu_caching_allocator=false:bucket_cap_mb=5"),
+                         ("ddp", "bucket_cap_mb = 5\n", "torch-ddp"))
+        self.assertEqual(run.job_sets("ddp:train.cpu_caching_allocator=false:bucket_cap_mb=5"),
+                         ["train.cpu_caching_allocator=false"])
         chosen = run.names("ddp,ddp:bucket_cap_mb=100,zero2,zero2:stage=1", run.STRATEGIES,
                            "strategy")
         args = argparse.Namespace(strategies=",".join(chosen), peers="none", kind="gpt2",

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cstdio>
@@ -270,8 +271,15 @@ std::string MemoryPool::NvmeDirectory() const {
   return nvme_dir_;
 }
 
+namespace {
+std::atomic<MemoryPool::HostReclaimer> g_host_reclaimer{nullptr};
+}  // namespace
+
+void MemoryPool::SetHostReclaimer(HostReclaimer reclaimer) { g_host_reclaimer = reclaimer; }
+
 void* MemoryPool::MapBlock(cai_mem_tier tier, size_t capacity, size_t alignment) {
   if (tier != CAI_MEM_NVME) {
+    if (HostReclaimer reclaim = g_host_reclaimer.load()) reclaim(capacity);
     void* data = nullptr;
     if (posix_memalign(&data, alignment, capacity) != 0) {
       throw Error(CAI_RESOURCE_EXHAUSTED, "the system is out of host memory: cannot allocate " +

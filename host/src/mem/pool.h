@@ -81,6 +81,12 @@ class MemoryPool {
   // Returns the tier's cached blocks to the system.
   void ReleaseCached(cai_mem_tier tier);
 
+  // Called with a block's size before host memory is taken from the system for it, so that
+  // another cache in the process (LibTorch's freed blocks, model/framework_allocator.h) gives
+  // back memory this pool can reuse rather than the process holding both. One per process.
+  using HostReclaimer = uint64_t (*)(uint64_t bytes);
+  static void SetHostReclaimer(HostReclaimer reclaimer);
+
   // Directory of the NVMe tier's backing files; defaults to $TMPDIR, else /tmp. Throws
   // INVALID_ARGUMENT when `dir` is not a writable directory. Affects later allocations only.
   void SetNvmeDirectory(const std::string& dir);

@@ -14,6 +14,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/alignment.h>
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <mutex>
@@ -183,6 +184,32 @@ uint64_t EmptyFrameworkCache() {
     for (char* base : bases) Release(base);
   }
   return bytes;
+}
+
+uint64_t TrimFrameworkCache(uint64_t bytes) {
+  std::vector<char*> released;
+  uint64_t freed = 0;
+  {
+    Cache& cache = TheCache();
+    std::lock_guard lock(cache.mutex);
+    std::vector<size_t> classes;
+    for (const auto& [size, bases] : cache.free) {
+      if (!bases.empty()) classes.push_back(size);
+    }
+    std::sort(classes.rbegin(), classes.rend());
+    for (size_t size : classes) {
+      auto& bases = cache.free[size];
+      while (!bases.empty() && freed < bytes) {
+        released.push_back(bases.back());
+        bases.pop_back();
+        freed += size;
+      }
+      if (freed >= bytes) break;
+    }
+    cache.cached_bytes -= freed;
+  }
+  for (char* base : released) Release(base);
+  return freed;
 }
 
 FrameworkMemory FrameworkMemoryUsage() {

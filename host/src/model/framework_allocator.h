@@ -34,6 +34,9 @@ bool FrameworkAllocatorInstalled();
 void SetFrameworkCaching(bool enabled);
 // Returns the cached blocks to LibTorch's allocator; the bytes given back.
 uint64_t EmptyFrameworkCache();
+// Returns cached blocks, largest first, until at least `bytes` are given back or none are
+// left; the bytes given back. For the memory pool, before it takes memory of its own.
+uint64_t TrimFrameworkCache(uint64_t bytes);
 
 FrameworkMemory FrameworkMemoryUsage();
 // The peak restarts from what is live now.

@@ -34,6 +34,7 @@
 #include "launch/rank_env.h"
 #include "loader/registry.h"
 #include "mem/mem_api.h"
+#include "mem/pool.h"
 #include "model/framework_allocator.h"
 #include "model/model.h"
 #include "optim/optimizer.h"
@@ -950,6 +951,7 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
     comm.check_calls = GetBool(*job.launch, "check_calls");
     comm.lanes = static_cast<int>(GetInt(*job.launch, "comm_lanes"));
     SetFrameworkCaching(GetBool(*job.train, "cpu_caching_allocator"));
+    MemoryPool::SetHostReclaimer(&TrimFrameworkCache);
     comm.socket_ifname = GetString(*job.launch, "socket_ifname");
     comm.on_peer_failure = [](const std::string& report) {
       // The training loop may be computing, not waiting on the communicator, for a long time:

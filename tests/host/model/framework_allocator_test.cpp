@@ -87,6 +87,15 @@ TEST(FrameworkAllocator, FreedLargeBlock_IsReusedBySameSizeClassWithinTheMostEve
   EXPECT_LE(FrameworkMemoryUsage().current_bytes + FrameworkMemoryUsage().cached_bytes,
             FrameworkMemoryUsage().max_bytes);
 
+  // Trimming gives back the largest blocks first, at least what was asked for.
+  {
+    torch::Tensor a = torch::empty({kElements}, torch::kFloat);      // 12 MiB
+    torch::Tensor b = torch::empty({kElements / 4}, torch::kFloat);  // 3 MiB
+  }
+  const uint64_t before_trim = FrameworkMemoryUsage().cached_bytes;
+  ASSERT_GE(before_trim, 15 * (uint64_t{1} << 20));
+  EXPECT_GE(TrimFrameworkCache(1), uint64_t{12} << 20);
+  EXPECT_LE(FrameworkMemoryUsage().cached_bytes, before_trim - (uint64_t{12} << 20));
   const uint64_t cached = FrameworkMemoryUsage().cached_bytes;
   EXPECT_EQ(EmptyFrameworkCache(), cached);
   EXPECT_EQ(FrameworkMemoryUsage().cached_bytes, 0u);

@@ -170,22 +170,6 @@ void SetFrameworkCaching(bool enabled) {
   if (!enabled) EmptyFrameworkCache();
 }
 
-uint64_t EmptyFrameworkCache() {
-  std::unordered_map<size_t, std::vector<char*>> blocks;
-  uint64_t bytes = 0;
-  {
-    Cache& cache = TheCache();
-    std::lock_guard lock(cache.mutex);
-    blocks.swap(cache.free);
-    bytes = cache.cached_bytes;
-    cache.cached_bytes = 0;
-  }
-  for (auto& [size, bases] : blocks) {
-    for (char* base : bases) Release(base);
-  }
-  return bytes;
-}
-
 uint64_t TrimFrameworkCache(uint64_t bytes) {
   std::vector<char*> released;
   uint64_t freed = 0;
@@ -211,6 +195,8 @@ uint64_t TrimFrameworkCache(uint64_t bytes) {
   for (char* base : released) Release(base);
   return freed;
 }
+
+uint64_t EmptyFrameworkCache() { return TrimFrameworkCache(UINT64_MAX); }
 
 FrameworkMemory FrameworkMemoryUsage() {
   uint64_t cached = 0;

@@ -927,6 +927,8 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
   // Before any thread starts and any tensor exists: LibTorch's own allocations (activations,
   // temporaries) are counted from here, for summary.json's framework_peak_bytes.
   InstallFrameworkAllocator();
+  SetFrameworkCaching(GetBool(*job.train, "cpu_caching_allocator"));
+  MemoryPool::SetHostReclaimer(&TrimFrameworkCache);
   const bool launched_locally = std::getenv("CAI_LAUNCHER") != nullptr;
   InitLogging(env.rank, CAI_LOG_INFO, !launched_locally);
   try {
@@ -950,8 +952,6 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
         std::llround(1000 * GetFloat(*job.launch, "heartbeat_timeout_s")));
     comm.check_calls = GetBool(*job.launch, "check_calls");
     comm.lanes = static_cast<int>(GetInt(*job.launch, "comm_lanes"));
-    SetFrameworkCaching(GetBool(*job.train, "cpu_caching_allocator"));
-    MemoryPool::SetHostReclaimer(&TrimFrameworkCache);
     comm.socket_ifname = GetString(*job.launch, "socket_ifname");
     comm.on_peer_failure = [](const std::string& report) {
       // The training loop may be computing, not waiting on the communicator, for a long time:

@@ -48,8 +48,16 @@ typedef struct cai_mem_usage {
   uint64_t budget_bytes;    /* 0 = unlimited */
   uint64_t num_allocations; /* live buffers */
   uint64_t cached_bytes;    /* freed blocks kept for reuse (not counted in current_bytes) */
+  /* ABI 1.3, DEVICE tier only (0 on the others): the framework's own tensors on the device
+   * (activations, temporaries, the model's parameters while the framework holds them), which
+   * count against the same budget as the tier's buffers; their peak; and the peak of
+   * current_bytes + framework_bytes together, what the budget bounds. Filled when
+   * struct_size covers them (CAI_HAS_FIELD). */
+  uint64_t framework_bytes;
+  uint64_t framework_peak_bytes;
+  uint64_t total_peak_bytes;
 } cai_mem_usage;
-#define CAI_MEM_USAGE_STRUCT_SIZE CAI_STRUCT_SIZE(cai_mem_usage, cached_bytes)
+#define CAI_MEM_USAGE_STRUCT_SIZE CAI_STRUCT_SIZE(cai_mem_usage, total_peak_bytes)
 
 /* Element-wise operations on flat, contiguous tensors (ndim 1, or any ndim with contiguous
  * strides). All operands of one call live on the same device. */
@@ -94,7 +102,10 @@ typedef struct cai_mem_api {
   cai_mem_tier (*tier)(const cai_buffer* buffer);
 
   /* Per-tier budget; 0 = unlimited. A budget below current use fails with
-   * FAILED_PRECONDITION. */
+   * FAILED_PRECONDITION. The DEVICE tier's budget bounds its buffers and the framework's own
+   * device tensors together (cai_mem_usage.framework_bytes): a framework allocation beyond it
+   * fails the forward or backward that made it with RESOURCE_EXHAUSTED, as a device
+   * out-of-memory would. */
   cai_status* (*set_budget)(cai_mem_tier tier, uint64_t bytes);
   cai_status* (*usage)(cai_mem_tier tier, cai_mem_usage* out);
   /* Starts peak accounting of the tier afresh at current use. */

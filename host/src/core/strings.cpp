@@ -3,6 +3,10 @@
 #include <sys/ioctl.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 namespace cai {
@@ -75,6 +79,53 @@ int TerminalColumns(int fd) {
   winsize size{};
   if (::ioctl(fd, TIOCGWINSZ, &size) != 0) return 0;
   return size.ws_col;
+}
+
+std::string FormatByteCount(uint64_t bytes) {
+  static const char* const kUnits[] = {"KiB", "MiB", "GiB", "TiB"};
+  std::string text = std::to_string(bytes) + " bytes";
+  if (bytes >= 1024) {
+    double value = static_cast<double>(bytes);
+    int unit = -1;
+    while (value >= 1024 && unit < 3) {
+      value /= 1024;
+      ++unit;
+    }
+    char buf[32];
+    std::snprintf(buf, sizeof buf, " (%.2f %s)", value, kUnits[unit]);
+    text += buf;
+  }
+  return text;
+}
+
+std::optional<uint64_t> ParseByteSize(std::string_view text) {
+  auto trim = [](std::string_view s) {
+    while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+    while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+    return s;
+  };
+  text = trim(text);
+  size_t end = 0;
+  while (end < text.size() &&
+         (std::isdigit(static_cast<unsigned char>(text[end])) || text[end] == '.')) {
+    ++end;
+  }
+  const std::string number(text.substr(0, end));
+  if (number.empty() || number == "." || std::count(number.begin(), number.end(), '.') > 1) {
+    return std::nullopt;
+  }
+  std::string unit(trim(text.substr(end)));
+  for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  static const std::pair<const char*, int> kUnits[] = {{"", 0},     {"b", 0},    {"kib", 10},
+                                                       {"mib", 20}, {"gib", 30}, {"tib", 40}};
+  for (const auto& [name, shift] : kUnits) {
+    if (unit != name) continue;
+    const long double value = std::strtold(number.c_str(), nullptr) * std::ldexp(1.0L, shift);
+    // A fraction of a byte is no size, and 2^63 bytes is beyond any machine.
+    if (value != std::floor(value) || value >= std::ldexp(1.0L, 63)) return std::nullopt;
+    return static_cast<uint64_t>(value);
+  }
+  return std::nullopt;
 }
 
 }  // namespace cai

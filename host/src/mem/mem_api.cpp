@@ -228,6 +228,11 @@ cai_status* Usage(cai_mem_tier tier, cai_mem_usage* out) {
     out->budget_bytes = u.budget_bytes;
     out->num_allocations = u.num_allocations;
     out->cached_bytes = u.cached_bytes;
+    if (CAI_HAS_FIELD(out, cai_mem_usage, total_peak_bytes)) {
+      out->framework_bytes = u.framework_bytes;
+      out->framework_peak_bytes = u.framework_peak_bytes;
+      out->total_peak_bytes = u.total_peak_bytes;
+    }
   });
 }
 

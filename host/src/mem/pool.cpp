@@ -18,6 +18,7 @@
 
 #include "core/env.h"
 #include "core/status.h"
+#include "core/strings.h"
 #include "mem/parallel.h"
 
 namespace cai {
@@ -37,23 +38,6 @@ size_t RoundUp(size_t n, size_t step) { return (n + step - 1) / step * step; }
 size_t SizeClass(size_t bytes) {
   const size_t step = std::clamp<size_t>(std::bit_floor(bytes) / 8, 64, kMaxClassStep);
   return RoundUp(bytes, step);
-}
-
-std::string FormatBytes(uint64_t bytes) {
-  static const char* const kUnits[] = {"KiB", "MiB", "GiB", "TiB"};
-  std::string text = std::to_string(bytes) + " bytes";
-  if (bytes >= 1024) {
-    double value = static_cast<double>(bytes);
-    int unit = -1;
-    while (value >= 1024 && unit < 3) {
-      value /= 1024;
-      ++unit;
-    }
-    char buf[32];
-    std::snprintf(buf, sizeof buf, " (%.2f %s)", value, kUnits[unit]);
-    text += buf;
-  }
-  return text;
 }
 
 std::string DefaultNvmeDirectory() {
@@ -117,7 +101,7 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
   if (bytes == 0) throw Error(CAI_INVALID_ARGUMENT, "cannot allocate 0 bytes on tier " + name);
   if (bytes > kMaxRequest) {
     throw Error(CAI_RESOURCE_EXHAUSTED,
-                "cannot allocate " + FormatBytes(bytes) + " on tier " + name + ": too large");
+                "cannot allocate " + FormatByteCount(bytes) + " on tier " + name + ": too large");
   }
   if (!std::has_single_bit(alignment) && alignment != 0) {
     throw Error(CAI_INVALID_ARGUMENT, "alignment " + std::to_string(alignment) +
@@ -137,15 +121,20 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
   {
     std::lock_guard lock(t.mu);
     TierUsage& u = t.usage;
-    if (u.budget_bytes != 0 && bytes > u.budget_bytes - std::min(u.current_bytes, u.budget_bytes)) {
-      throw Error(CAI_RESOURCE_EXHAUSTED,
-                  "cannot allocate " + FormatBytes(bytes) +
-                      (tag.empty() ? std::string() : " for \"" + std::string(tag) + "\"") +
-                      " on memory tier " + name + ": its budget is " + FormatBytes(u.budget_bytes) +
-                      " and " + FormatBytes(u.current_bytes) + " are in use by " +
-                      std::to_string(u.num_allocations) +
-                      " buffers. Free buffers on this tier, offload to another tier, or raise "
-                      "the budget (cai_mem_api.set_budget)");
+    const uint64_t held = u.current_bytes + u.framework_bytes;
+    if (u.budget_bytes != 0 && bytes > u.budget_bytes - std::min(held, u.budget_bytes)) {
+      throw Error(
+          CAI_RESOURCE_EXHAUSTED,
+          "cannot allocate " + FormatByteCount(bytes) +
+              (tag.empty() ? std::string() : " for \"" + std::string(tag) + "\"") +
+              " on memory tier " + name + ": its budget is " + FormatByteCount(u.budget_bytes) +
+              " and " + FormatByteCount(u.current_bytes) + " are in use by " +
+              std::to_string(u.num_allocations) + " buffers" +
+              (u.framework_bytes == 0 ? std::string()
+                                      : " and " + FormatByteCount(u.framework_bytes) +
+                                            " by LibTorch's tensors (activations, temporaries)") +
+              ". Free buffers on this tier, offload to another tier, or raise the "
+              "budget (memory.device_budget / host_budget, cai_mem_api.set_budget)");
     }
     auto [first, last] = t.cached.equal_range(capacity);
     for (auto it = first; it != last; ++it) {
@@ -158,12 +147,12 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
     }
     // Cached blocks do not count against the budget, but they must not push what the tier
     // really holds past it either.
-    if (!block && u.budget_bytes != 0 &&
-        u.current_bytes + u.cached_bytes + capacity > u.budget_bytes) {
+    if (!block && u.budget_bytes != 0 && held + u.cached_bytes + capacity > u.budget_bytes) {
       trimmed = TakeCached(t);
     }
     u.current_bytes += bytes;
     u.peak_bytes = std::max(u.peak_bytes, u.current_bytes);
+    u.total_peak_bytes = std::max(u.total_peak_bytes, u.current_bytes + u.framework_bytes);
     ++u.num_allocations;
   }
   for (auto& [size, cached] : trimmed) {
@@ -209,11 +198,15 @@ void MemoryPool::SetBudget(cai_mem_tier tier, uint64_t bytes) {
   {
     std::lock_guard lock(t.mu);
     TierUsage& u = t.usage;
-    if (bytes != 0 && bytes < u.current_bytes) {
-      throw Error(CAI_FAILED_PRECONDITION, "cannot set the budget of memory tier " +
-                                               TierName(tier) + " to " + FormatBytes(bytes) + ": " +
-                                               FormatBytes(u.current_bytes) +
-                                               " are in use. Free buffers on this tier first");
+    if (bytes != 0 && bytes < u.current_bytes + u.framework_bytes) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "cannot set the budget of memory tier " + TierName(tier) + " to " +
+                      FormatByteCount(bytes) + ": " + FormatByteCount(u.current_bytes) +
+                      " are in use by its buffers" +
+                      (u.framework_bytes == 0 ? std::string()
+                                              : " and " + FormatByteCount(u.framework_bytes) +
+                                                    " by LibTorch's tensors") +
+                      ". Free buffers on this tier first, or give a larger budget");
     }
     u.budget_bytes = bytes;
     if (bytes != 0 && u.current_bytes + u.cached_bytes > bytes) trimmed = TakeCached(t);
@@ -234,6 +227,26 @@ void MemoryPool::ResetPeak(cai_mem_tier tier) {
   Tier& t = At(tier);
   std::lock_guard lock(t.mu);
   t.usage.peak_bytes = t.usage.current_bytes;
+  t.usage.framework_peak_bytes = t.usage.framework_bytes;
+  t.usage.total_peak_bytes = t.usage.current_bytes + t.usage.framework_bytes;
+}
+
+bool MemoryPool::TryChargeFramework(uint64_t bytes) {
+  Tier& t = At(CAI_MEM_DEVICE);
+  std::lock_guard lock(t.mu);
+  TierUsage& u = t.usage;
+  const uint64_t held = u.current_bytes + u.framework_bytes;
+  if (u.budget_bytes != 0 && bytes > u.budget_bytes - std::min(held, u.budget_bytes)) return false;
+  u.framework_bytes += bytes;
+  u.framework_peak_bytes = std::max(u.framework_peak_bytes, u.framework_bytes);
+  u.total_peak_bytes = std::max(u.total_peak_bytes, held + bytes);
+  return true;
+}
+
+void MemoryPool::UnchargeFramework(uint64_t bytes) {
+  Tier& t = At(CAI_MEM_DEVICE);
+  std::lock_guard lock(t.mu);
+  t.usage.framework_bytes -= std::min(bytes, t.usage.framework_bytes);
 }
 
 void MemoryPool::ReleaseCached(cai_mem_tier tier) {
@@ -283,7 +296,7 @@ void* MemoryPool::MapBlock(cai_mem_tier tier, size_t capacity, size_t alignment)
     void* data = nullptr;
     if (posix_memalign(&data, alignment, capacity) != 0) {
       throw Error(CAI_RESOURCE_EXHAUSTED, "the system is out of host memory: cannot allocate " +
-                                              FormatBytes(capacity) + " for memory tier " +
+                                              FormatByteCount(capacity) + " for memory tier " +
                                               TierName(tier));
     }
     return data;
@@ -305,14 +318,14 @@ void* MemoryPool::MapBlock(cai_mem_tier tier, size_t capacity, size_t alignment)
   if (err != 0) {
     close(fd);
     throw Error(CAI_RESOURCE_EXHAUSTED,
-                "cannot reserve " + FormatBytes(capacity) + " for the NVMe tier in \"" + dir +
+                "cannot reserve " + FormatByteCount(capacity) + " for the NVMe tier in \"" + dir +
                     "\": " + std::strerror(err) + ". Free disk space or choose another directory");
   }
   void* data = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int map_errno = errno;
   close(fd);
   if (data == MAP_FAILED) {
-    throw Error(CAI_RESOURCE_EXHAUSTED, "cannot map " + FormatBytes(capacity) +
+    throw Error(CAI_RESOURCE_EXHAUSTED, "cannot map " + FormatByteCount(capacity) +
                                             " of the NVMe tier's file in \"" + dir +
                                             "\": " + std::strerror(map_errno));
   }

@@ -11,6 +11,12 @@
 // Freed blocks are cached by size class (rounded up by at most 1/8, and at most 2 MiB) and
 // handed out again for requests of the same class; cached bytes are reported apart and are
 // returned to the system when a tier with a budget would otherwise hold more than its budget.
+//
+// The DEVICE tier's budget also covers what LibTorch allocates on the device for itself
+// (activations, temporaries, the model's own tensors), charged through ChargeFramework by the
+// counting allocator (model/framework_allocator.h): the budget bounds the two together, as a
+// device's memory bounds PyTorch's tensors and a strategy's buffers alike. On a CPU host that
+// is an accounting boundary, not a device: both are host memory.
 #pragma once
 
 #include <array>
@@ -45,6 +51,11 @@ struct TierUsage {
   uint64_t budget_bytes = 0;  // 0 = unlimited
   uint64_t num_allocations = 0;
   uint64_t cached_bytes = 0;
+  // DEVICE only (0 elsewhere): LibTorch's live bytes charged to the tier, their peak, and the
+  // peak of current_bytes + framework_bytes together (what the budget bounds).
+  uint64_t framework_bytes = 0;
+  uint64_t framework_peak_bytes = 0;
+  uint64_t total_peak_bytes = 0;
 };
 
 // "DEVICE", "PINNED_HOST", "HOST", "NVME"; "tier <n>" for anything else.
@@ -78,6 +89,12 @@ class MemoryPool {
   TierUsage Usage(cai_mem_tier tier) const;
   // Starts peak accounting afresh at current use.
   void ResetPeak(cai_mem_tier tier);
+
+  // Charges `bytes` LibTorch allocates on the device to the DEVICE tier: false, charging
+  // nothing, when the budget would be exceeded (the caller fails the allocation, naming what
+  // it was for; Usage says what holds the rest).
+  bool TryChargeFramework(uint64_t bytes);
+  void UnchargeFramework(uint64_t bytes);
   // Returns the tier's cached blocks to the system.
   void ReleaseCached(cai_mem_tier tier);
 

@@ -22,6 +22,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/status.h"
+#include "core/strings.h"
+#include "mem/pool.h"
+
 namespace cai {
 namespace {
 
@@ -29,11 +33,20 @@ std::atomic<uint64_t> g_current{0};
 std::atomic<uint64_t> g_peak{0};
 std::atomic<uint64_t> g_max{0};  // the most ever live; ResetFrameworkPeak leaves it
 std::atomic<bool> g_installed{false};
+std::atomic<MemoryPool*> g_charged_pool{nullptr};
+
+struct Site {
+  const char* phase = nullptr;
+  int32_t unit = -1;
+  const std::string* unit_name = nullptr;
+};
+thread_local Site t_site;
 
 struct Header {
   void* inner_context;
   c10::DeleterFnPtr inner_deleter;
-  size_t bytes;  // counted: the request, or its size class for a block the cache may keep
+  size_t bytes;         // counted: the request, or its size class for a block the cache may keep
+  MemoryPool* charged;  // the pool the live block is charged to, or nullptr
 };
 // LibTorch's CPU allocator aligns to gAlignment (64 bytes, for AVX-512): a header of that size
 // keeps the data aligned as it would have been.
@@ -82,8 +95,37 @@ void Release(char* base) {
   if (header.inner_deleter != nullptr) header.inner_deleter(header.inner_context);
 }
 
+// Charges a block about to be handed out to the pool charging is on for, or throws the
+// device out-of-memory error; records the pool in the header for the free.
+void Charge(char* base, size_t bytes) {
+  auto* header = reinterpret_cast<Header*>(base);
+  header->charged = g_charged_pool.load(std::memory_order_acquire);
+  if (header->charged == nullptr || header->charged->TryChargeFramework(bytes)) return;
+  const TierUsage u = header->charged->Usage(CAI_MEM_DEVICE);
+  const Site& site = t_site;
+  std::string what = site.phase ? site.phase : "an operation outside the training step";
+  if (site.unit >= 0) {
+    what += " of unit " + std::to_string(site.unit);
+    if (site.unit_name) what += " ('" + *site.unit_name + "')";
+  }
+  throw Error(CAI_RESOURCE_EXHAUSTED,
+              "device out of memory: cannot allocate " + FormatByteCount(bytes) +
+                  " for LibTorch's tensors in " + what + " on memory tier DEVICE: its budget is " +
+                  FormatByteCount(u.budget_bytes) + ", of which LibTorch holds " +
+                  FormatByteCount(u.framework_bytes) + " and the strategy's buffers " +
+                  FormatByteCount(u.current_bytes) + " (" + std::to_string(u.num_allocations) +
+                  " buffers). Lower the micro-batch (train.global_batch, train.grad_accum), turn "
+                  "on model.activation_checkpointing, choose a strategy that shards or offloads "
+                  "more, or raise memory.device_budget");
+}
+
+void Uncharge(const Header& header) {
+  if (header.charged != nullptr) header.charged->UnchargeFramework(header.bytes);
+}
+
 void Delete(void* data) {
   char* base = static_cast<char*>(data) - kHeader;
+  Uncharge(*reinterpret_cast<const Header*>(base));
   const size_t bytes = reinterpret_cast<const Header*>(base)->bytes;
   const uint64_t live = g_current.fetch_sub(bytes, std::memory_order_relaxed) - bytes;
   if (bytes >= kCacheMin) {
@@ -120,6 +162,14 @@ class CountingAllocator final : public c10::Allocator {
     const size_t counted = SizeClass(bytes);
     char* base = counted >= kCacheMin ? Reuse(counted) : nullptr;
     if (base == nullptr) base = Fresh(counted);
+    try {
+      Charge(base, counted);
+    } catch (...) {
+      reinterpret_cast<Header*>(base)->charged = nullptr;
+      g_current.fetch_add(counted, std::memory_order_relaxed);  // Delete subtracts it
+      Delete(base + kHeader);
+      throw;
+    }
     Count(counted);
     char* data = base + kHeader;
     return {data, data, &Delete, c10::Device(c10::DeviceType::CPU)};
@@ -140,7 +190,7 @@ class CountingAllocator final : public c10::Allocator {
     char* base = static_cast<char*>(block.get());
     const c10::DeleterFnPtr inner_deleter = block.get_deleter();
     void* inner_context = block.release_context();  // the header owns it from here
-    new (base) Header{inner_context, inner_deleter, bytes};
+    new (base) Header{inner_context, inner_deleter, bytes, nullptr};
     return base;
   }
 
@@ -197,6 +247,19 @@ uint64_t TrimFrameworkCache(uint64_t bytes) {
 }
 
 uint64_t EmptyFrameworkCache() { return TrimFrameworkCache(UINT64_MAX); }
+
+void ChargeFrameworkTo(MemoryPool* pool) { g_charged_pool.store(pool, std::memory_order_release); }
+
+AllocationSite::AllocationSite(const char* phase, int32_t unit, const std::string* unit_name)
+    : saved_phase_(t_site.phase), saved_unit_(t_site.unit), saved_name_(t_site.unit_name) {
+  Set(phase, unit, unit_name);
+}
+
+AllocationSite::~AllocationSite() { t_site = {saved_phase_, saved_unit_, saved_name_}; }
+
+void AllocationSite::Set(const char* phase, int32_t unit, const std::string* unit_name) {
+  t_site = {phase, unit, unit_name};
+}
 
 FrameworkMemory FrameworkMemoryUsage() {
   uint64_t cached = 0;

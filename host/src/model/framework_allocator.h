@@ -11,11 +11,19 @@
 // per power of two), as PyTorch caches device memory, so a step does not page-fault in again
 // the activation buffers the last step freed. The cache never makes the live and cached bytes
 // together exceed the most that was ever live, and is emptied before an allocation fails.
+//
+// Charged to a memory pool (ChargeFrameworkTo), these bytes count against its DEVICE tier's
+// budget with the pool's own buffers, and an allocation beyond the budget fails like a device
+// out-of-memory: cai::Error RESOURCE_EXHAUSTED naming the allocation site of the thread
+// (AllocationSite), what the budget is and what holds it.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace cai {
+
+class MemoryPool;
 
 struct FrameworkMemory {
   uint64_t current_bytes = 0;  // live bytes allocated through the counting allocator
@@ -37,6 +45,30 @@ uint64_t EmptyFrameworkCache();
 // Returns cached blocks, largest first, until at least `bytes` are given back or none are
 // left; the bytes given back. For the memory pool, before it takes memory of its own.
 uint64_t TrimFrameworkCache(uint64_t bytes);
+
+// From now on, allocations are charged to `pool`'s DEVICE tier (nullptr: to none). Blocks
+// allocated before are never charged, so their frees are not subtracted either.
+void ChargeFrameworkTo(MemoryPool* pool);
+
+// What LibTorch allocates for on this thread while the object lives ("forward", unit 3 named
+// "h.2"), for the message of a budget failure. Nested sites restore the enclosing one.
+// `phase` and `unit_name` must outlive the site.
+class AllocationSite {
+ public:
+  explicit AllocationSite(const char* phase, int32_t unit = -1,
+                          const std::string* unit_name = nullptr);
+  ~AllocationSite();
+  AllocationSite(const AllocationSite&) = delete;
+  AllocationSite& operator=(const AllocationSite&) = delete;
+  // Moves the thread's current site on (backward reaching the next unit) without nesting: the
+  // innermost AllocationSite restores what was before it.
+  static void Set(const char* phase, int32_t unit = -1, const std::string* unit_name = nullptr);
+
+ private:
+  const char* saved_phase_;
+  int32_t saved_unit_;
+  const std::string* saved_name_;
+};
 
 FrameworkMemory FrameworkMemoryUsage();
 // The peak restarts from what is live now.

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/status.h"
+#include "model/framework_allocator.h"
 #include "model/network.h"
 #include "model/torch_compat.h"
 
@@ -265,6 +266,8 @@ struct Model::Impl {
     if (unit >= 0) CountDown(unit);
   }
   void OnOutputGrad(size_t unit) {
+    // Backward reaches the units last to first: what it allocates from here is this unit's.
+    AllocationSite::Set("backward", static_cast<int32_t>(unit), &net->units[unit].name);
     Fire(CAI_HOOK_PRE_BACKWARD, static_cast<int32_t>(unit), -1, false);
     CheckMaterialized(unit, "backward");
     if (active[unit] && pending[unit] == 0) FinishUnit(unit);
@@ -287,6 +290,7 @@ struct Model::Impl {
     const bool grad = torch::GradMode::is_enabled();
     input_needs_grad.assign(last - first, 0);
     for (int32_t u = first; u < last; ++u) {
+      AllocationSite site("forward", u, &net->units[u].name);
       Fire(CAI_HOOK_PRE_FORWARD, u, -1, false);
       CheckMaterialized(u, "forward");
       const bool track_input = grad && x.requires_grad();
@@ -312,6 +316,8 @@ struct Model::Impl {
 
   // Recomputation of a checkpointed unit inside backward.
   torch::Tensor Recompute(int32_t unit, const torch::Tensor& x) {
+    AllocationSite site("the recomputed forward (activation checkpointing)", unit,
+                        &net->units[unit].name);
     Fire(CAI_HOOK_PRE_FORWARD, unit, -1, true);
     CheckMaterialized(unit, "forward");
     torch::Tensor y = net->Forward(unit, x);
@@ -330,6 +336,7 @@ struct Model::Impl {
       Impl* impl;
       ~Disarm() { impl->active.assign(impl->active.size(), 0); }
     } disarm{this};
+    AllocationSite site("backward");
     run();
   }
 
@@ -374,6 +381,7 @@ struct Model::Impl {
   }
 
   torch::Tensor Loss(const torch::Tensor& logits, const cai_tensor* targets) {
+    AllocationSite site("the loss (cross-entropy over the logits)");
     if (targets == nullptr) Fail(CAI_INVALID_ARGUMENT, "targets is NULL");
     torch::Tensor t = Tokens(*targets, "targets");
     if (t.sizes() != logits.sizes().slice(0, 2)) {
@@ -703,6 +711,7 @@ double Model::ForwardBackward(const cai_tensor& tokens, const cai_tensor& target
                               double loss_scale, double loss_weight) {
   Impl& m = *impl_;
   return m.Guarded([&] {
+    AllocationSite site("the micro-batch's inputs");
     torch::Tensor x = m.Tokens(tokens, "tokens");
     m.CheckRange(x, 0, "tokens");
     m.Fire(CAI_HOOK_PRE_STEP_FORWARD, -1, -1, false);
@@ -737,6 +746,7 @@ Model::StageResult Model::StageForward(int32_t first_unit, int32_t last_unit,
                                       " still awaits its stage_backward");
   }
   return m.Guarded([&] {
+    AllocationSite site("the stage's inputs");
     auto act = std::make_unique<Activation>();
     act->first = first_unit;
     act->last = last_unit;

@@ -121,6 +121,10 @@ std::string FormatRunSummary(const RunSummary& s) {
   } else {
     out << "no estimate (the strategy has no estimate_memory, or the model is TorchScript)\n";
   }
+  if (s.device_budget > 0) {
+    out << "  budget     " << FormatBytes(s.device_budget)
+        << " device per rank for buffers and LibTorch's tensors together (memory.device_budget)\n";
+  }
   out << "  peak       ";
   if (s.peak_flops > 0) {
     out << std::scientific << std::setprecision(3) << s.peak_flops << " FLOP/s per rank\n";

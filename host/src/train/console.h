@@ -66,6 +66,7 @@ struct RunSummary {
     std::string formula;
   };
   std::optional<Memory> memory;
+  uint64_t device_budget = 0;  // memory.device_budget per rank; 0: none
   std::filesystem::path run_dir;
 };
 

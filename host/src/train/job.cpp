@@ -3,6 +3,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <optional>
 #include <sstream>
 
 #include "cai/sdk.hpp"
@@ -171,6 +172,25 @@ const cai_config_key kLaunchKeys[] = {
              0, 0, kMin),
 };
 
+const cai_config_key kMemoryKeys[] = {
+    StringKey("device_budget", "\"0\"",
+              "Memory one rank's DEVICE tier may hold: the strategy's device buffers and "
+              "LibTorch's own tensors (activations, temporaries, the model's weights while "
+              "LibTorch holds them) together. An allocation beyond it fails as a device "
+              "out-of-memory, naming what it was for. A size (\"6GiB\", \"512MiB\", bytes); "
+              "\"0\" = no budget. On a CPU host both are host memory: the budget is an "
+              "accounting boundary that behaves as a device's capacity would."),
+    StringKey("pinned_host_budget", "\"0\"",
+              "Memory one rank's PINNED_HOST tier (strategies' page-locked staging) may hold; "
+              "a size, \"0\" = no budget."),
+    StringKey("host_budget", "\"0\"",
+              "Memory one rank's HOST tier (strategies' offloaded state) may hold; a size, "
+              "\"0\" = no budget."),
+    StringKey("nvme_dir", "\"\"",
+              "Directory of the NVMe tier's files (\"\" = $TMPDIR, else /tmp): a fast local "
+              "disk."),
+};
+
 template <size_t N>
 std::vector<ConfigKey> Schema(const cai_config_key (&keys)[N], const char* section) {
   return ReadSchema(keys, N, std::string("job schema [") + section + "]");
@@ -281,6 +301,7 @@ const std::vector<std::pair<std::string, std::vector<ConfigKey>>>& JobSchema() {
       {"train", Schema(kTrainKeys, "train")},
       {"checkpoint", Schema(kCheckpointKeys, "checkpoint")},
       {"launch", Schema(kLaunchKeys, "launch")},
+      {"memory", Schema(kMemoryKeys, "memory")},
   };
   return *schema;
 }
@@ -319,6 +340,16 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
       throw Error(CAI_INVALID_ARGUMENT, where + ": '" + std::string(name.str()) +
                                             "' must be a table ([" + std::string(name.str()) +
                                             "])");
+    }
+  }
+
+  // A size may be written as a bare number of bytes: the schema takes it as the string it reads.
+  if (toml::table* memory = root["memory"].as_table()) {
+    for (const char* key : kBudgetKeys) {
+      toml::node* value = memory->get(key);
+      if (value && value->is_integer()) {
+        memory->insert_or_assign(key, std::to_string(value->as_integer()->get()));
+      }
     }
   }
 
@@ -370,9 +401,13 @@ JobConfig LoadJob(const std::filesystem::path& file, const std::vector<std::stri
       job.train = std::move(config);
     else if (name == "checkpoint")
       job.checkpoint = std::move(config);
-    else
+    else if (name == "launch")
       job.launch = std::move(config);
+    else
+      job.memory = std::move(config);
   }
+  // Sizes are strings in the schema: checked here, so a bad one fails once, before any rank.
+  for (const char* key : kBudgetKeys) MemoryBudget(job, key);
   job.resolved_toml = resolved.str();
   job.root = std::make_shared<const toml::table>(std::move(root));
   return job;
@@ -464,6 +499,17 @@ ModelConfig ZooModelConfig(const cai_config& m) {
 
 cai_precision ParsePrecision(const std::string& p) {
   return p == "bf16" ? CAI_PRECISION_BF16 : p == "fp16" ? CAI_PRECISION_FP16 : CAI_PRECISION_FP32;
+}
+
+uint64_t MemoryBudget(const JobConfig& job, const char* key) {
+  const std::string& text = GetString(*job.memory, key);
+  if (std::optional<uint64_t> bytes = ParseByteSize(text)) return *bytes;
+  const std::string where = job.file.empty() ? std::string("job") : job.file.string();
+  throw Error(CAI_INVALID_ARGUMENT,
+              "[memory] " + std::string(key) + " = \"" + text + "\" in " + where +
+                  " is not a size: write a whole number of bytes or a number with a binary unit "
+                  "(\"6GiB\", \"512MiB\", \"1.5GiB\"; B, KiB, MiB, GiB, TiB), or \"0\" for no "
+                  "budget (decimal units such as GB are refused: 1 GB is not 1 GiB)");
 }
 
 bool GetBool(const cai_config& c, const char* key) { return Lookup(c, key).b; }

@@ -22,7 +22,7 @@ struct JobConfig {
   std::string resolved_toml;   // every section with defaults filled, for config.resolved.toml
 
   // Validated sections; read them with the Get* helpers below.
-  std::unique_ptr<cai_config> model, optimizer, data, train, checkpoint, launch;
+  std::unique_ptr<cai_config> model, optimizer, data, train, checkpoint, launch, memory;
 
   std::string plugin;  // plugin.name: "none", "auto" or an installed plugin
   // The raw [plugin.<name>] table of the chosen plugin as TOML text ("" if absent); validated
@@ -67,6 +67,12 @@ std::unique_ptr<cai_config> ResolvePluginConfig(JobConfig& job,
 ModelConfig ZooModelConfig(const cai_config& model);
 // train.precision as the ABI's enumeration.
 cai_precision ParsePrecision(const std::string& precision);
+
+// The [memory] budget keys, each a tier's budget: MemoryBudget(job, key) in bytes, 0 = none.
+inline constexpr const char* kBudgetKeys[] = {"device_budget", "pinned_host_budget", "host_budget"};
+// [memory] `key` as bytes; throws INVALID_ARGUMENT naming the key, the file and the forms a
+// size takes when it is not one.
+uint64_t MemoryBudget(const JobConfig& job, const char* key);
 
 bool GetBool(const cai_config& c, const char* key);
 int64_t GetInt(const cai_config& c, const char* key);

@@ -155,9 +155,13 @@ Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::files
   }
   plan.size = ZooModelSize(ZooModelConfig(m));
   plan.precision = ParsePrecision(GetString(*job.train, "precision"));
+  // The enforced budget (memory.device_budget) bounds whatever launch.device_memory_gib says.
   const double gib = GetFloat(*job.launch, "device_memory_gib");
   plan.device_budget = gib > 0 ? static_cast<uint64_t>(gib * double(1ull << 30))
                                : MachineMemory() / static_cast<uint64_t>(world_size);
+  plan.enforced_budget = MemoryBudget(job, "device_budget");
+  if (plan.enforced_budget != 0)
+    plan.device_budget = std::min(plan.device_budget, plan.enforced_budget);
 
   // What can run here: installed plugins that load, and the built-in reference on one rank.
   std::map<std::string, const LoadedPlugin*> installed;
@@ -308,7 +312,14 @@ void PrintPlan(const Plan& plan, std::ostream& out) {
   out << "parameters: " << plan.size.params << " (" << std::fixed << std::setprecision(3)
       << double(plan.size.params) / 1e9 << "B); largest unit " << plan.size.largest_unit
       << "\nranks: " << plan.world_size << ", precision " << precision
-      << ", device memory per rank " << FormatBytes(plan.device_budget) << "\n\n";
+      << ", device memory per rank " << FormatBytes(plan.device_budget) << "\n";
+  if (plan.enforced_budget != 0) {
+    out << "memory.device_budget " << FormatBytes(plan.enforced_budget)
+        << " is enforced: the strategy's DEVICE buffers and LibTorch's own tensors count "
+           "against it together, and the run fails as on a full device beyond it. On this "
+           "CPU host both are host memory: the budget is an accounting boundary.\n";
+  }
+  out << "\n";
   size_t width = 10;
   for (const StrategyEstimate& e : plan.estimates) width = std::max(width, e.name.size() + 2);
   out << std::left << std::setw(static_cast<int>(width)) << "strategy" << std::setw(14)

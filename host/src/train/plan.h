@@ -55,7 +55,8 @@ struct Plan {
   ModelSize size;
   int world_size = 1;
   cai_precision precision = CAI_PRECISION_FP32;
-  uint64_t device_budget = 0;  // what one rank's device tier may hold
+  uint64_t device_budget = 0;    // what one rank's device tier may hold
+  uint64_t enforced_budget = 0;  // memory.device_budget (0 = none): enforced at run time
   std::vector<StrategyEstimate> estimates;
   std::string choice;  // plugin name auto picks
   // The chosen plugin's [plugin.<choice>] table as auto runs it: the user's, plus the options
@@ -71,7 +72,8 @@ struct Plan {
 // follows ColossalAI's sizing guide (its docs, booster_plugins.md): DDP below 2B parameters,
 // low-level ZeRO / FSDP up to 10B, Gemini above, hybrid parallel beyond 60B; the first
 // installed configuration in that order whose per-rank memory fits the device budget
-// (launch.device_memory_gib, or this machine's memory over the ranks) wins.
+// (memory.device_budget where it is lower, else launch.device_memory_gib, else this machine's
+// memory over the ranks) wins.
 Plan MakePlan(const JobConfig& job, int world_size, const std::vector<std::filesystem::path>& paths,
               const cai_host_api* host);
 

@@ -421,7 +421,10 @@ void Run::Setup() {
                 "host trains on the CPU; use \"gloo\"");
   }
 
-  model_ = BuildModel(job_, seed);
+  {
+    AllocationSite site("building the model (its initial weights)");
+    model_ = BuildModel(job_, seed);
+  }
   const cai_config& m = *job_.model;
   for (uint32_t i = 0; i < model_->NumParams(); ++i) params_ += model_->ParamInfo(i).numel;
   // A TorchScript model's shape is not in [model]: its attention term is left out.
@@ -471,7 +474,10 @@ void Run::Setup() {
   boost.optimizer = ToHandle(optimizer_.get());
   boost.precision = precision_;
   boost.grad_accumulation = static_cast<int32_t>(accum_);
-  ThrowIfError(strategy_.api->boost(instance_, &boost));
+  {
+    AllocationSite site("the strategy's boost (placing the model's states)");
+    ThrowIfError(strategy_.api->boost(instance_, &boost));
+  }
   if (has_layout) LearnLayout();
 
   if (GetBool(*job_.checkpoint, "resume")) {
@@ -702,6 +708,7 @@ RunSummary Run::Summary() {
   s.grad_accum = accum_;
   s.flops_per_token = flops_per_token_;
   s.peak_flops = GetFloat(*job_.train, "peak_flops");
+  s.device_budget = MemoryBudget(job_, "device_budget");
   s.run_dir = run_dir_;
   const cai_plugin_api* api = strategy_.api;
   if (GetString(*job_.model, "kind") != "torchscript" &&
@@ -778,7 +785,9 @@ void Run::WriteSummary(double wall_s) {
   constexpr size_t kStats = kWire + CAI_COMM_NUM_OPS;
   constexpr size_t kFramework = kStats + 4;
   constexpr size_t kOverlap = kFramework + 2;
-  constexpr size_t kFields = kOverlap + 1;
+  constexpr size_t kDeviceTotal = kOverlap + 1;
+  constexpr size_t kBudget = kDeviceTotal + 1;
+  constexpr size_t kFields = kBudget + CAI_MEM_NUM_TIERS;
   cai_strategy_stats stats{};
   stats.struct_size = CAI_STRATEGY_STATS_STRUCT_SIZE;
   ThrowIfError(strategy_.api->stats(instance_, &stats));
@@ -796,6 +805,8 @@ void Run::WriteSummary(double wall_s) {
     usage.struct_size = CAI_MEM_USAGE_STRUCT_SIZE;
     ThrowIfError(MemApi()->usage(tier, &usage));
     mine[tier] = static_cast<int64_t>(usage.peak_bytes);
+    mine[kBudget + tier] = static_cast<int64_t>(usage.budget_bytes);
+    if (tier == CAI_MEM_DEVICE) mine[kDeviceTotal] = static_cast<int64_t>(usage.total_peak_bytes);
   }
   mine[CAI_MEM_NUM_TIERS] = static_cast<int64_t>(PeakRssBytes());
   for (int op = 0; op < CAI_COMM_NUM_OPS; ++op) {
@@ -812,8 +823,11 @@ void Run::WriteSummary(double wall_s) {
   std::vector<std::string> ranks;
   for (int r = 0; r < env_.world_size; ++r) {
     const int64_t* f = all.data() + r * kFields;
-    JsonObject peak, handed, wire;
-    for (int tier = 0; tier < CAI_MEM_NUM_TIERS; ++tier) peak.Add(kTierNames[tier], f[tier]);
+    JsonObject peak, budget, handed, wire;
+    for (int tier = 0; tier < CAI_MEM_NUM_TIERS; ++tier) {
+      peak.Add(kTierNames[tier], f[tier]);
+      budget.Add(kTierNames[tier], f[kBudget + tier]);
+    }
     for (int op = 0; op < CAI_COMM_NUM_OPS; ++op) {
       AddMean(handed, kOpNames[op], f[kHanded + op], comm_steps_);
       AddMean(wire, kOpNames[op], f[kWire + op], comm_steps_);
@@ -822,6 +836,8 @@ void Run::WriteSummary(double wall_s) {
                         .Add("rank", r)
                         .AddRaw("peak_bytes", peak.str())
                         .Add("peak_rss_bytes", f[CAI_MEM_NUM_TIERS])
+                        .Add("device_total_peak_bytes", f[kDeviceTotal])
+                        .AddRaw("budget_bytes", budget.str())
                         .Add("framework_peak_bytes", f[kFramework + 0])
                         .Add("framework_bytes_at_end", f[kFramework + 1])
                         .AddRaw("comm_bytes_per_step_mean", handed.str())
@@ -916,6 +932,27 @@ int Run::Execute() {
   return 0;
 }
 
+// [memory]: the tiers' budgets and the NVMe directory, before anything is allocated for the
+// run, so that the model's own weights count too.
+void ApplyMemoryKeys(const JobConfig& job) {
+  MemoryPool& pool = MemoryPool::Global();
+  const cai_mem_tier tiers[] = {CAI_MEM_DEVICE, CAI_MEM_PINNED_HOST, CAI_MEM_HOST};
+  for (size_t i = 0; i < std::size(kBudgetKeys); ++i) {
+    try {
+      pool.SetBudget(tiers[i], MemoryBudget(job, kBudgetKeys[i]));
+    } catch (const Error& e) {
+      throw Error(e.code(), std::string("memory.") + kBudgetKeys[i] + ": " + e.what());
+    }
+  }
+  if (const std::string& dir = GetString(*job.memory, "nvme_dir"); !dir.empty()) {
+    try {
+      pool.SetNvmeDirectory(dir);
+    } catch (const Error& e) {
+      throw Error(e.code(), std::string("memory.nvme_dir: ") + e.what());
+    }
+  }
+}
+
 int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& env,
             const fs::path& run_dir) {
   // Every step allocates and frees the same activation buffers. By default glibc serves large
@@ -929,6 +966,8 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
   InstallFrameworkAllocator();
   SetFrameworkCaching(GetBool(*job.train, "cpu_caching_allocator"));
   MemoryPool::SetHostReclaimer(&TrimFrameworkCache);
+  // LibTorch's tensors count against the DEVICE tier's budget with the strategy's buffers.
+  ChargeFrameworkTo(&MemoryPool::Global());
   const bool launched_locally = std::getenv("CAI_LAUNCHER") != nullptr;
   InitLogging(env.rank, CAI_LOG_INFO, !launched_locally);
   try {
@@ -942,6 +981,7 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
     Log(CAI_LOG_INFO, "",
         "rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) + " (pid " +
             std::to_string(getpid()) + ", joined through " + env.launcher + ")");
+    ApplyMemoryKeys(job);
     CommOptions comm;
     comm.rank = env.rank;
     comm.world_size = env.world_size;

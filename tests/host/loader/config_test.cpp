@@ -144,6 +144,21 @@ TEST(Strings, SwappedNeighbours_AreOneEditAndWinATie) {
   EXPECT_EQ(NearestKey("fdsp", plugins), "fsdp");
 }
 
+TEST(Strings, ByteSizes_ReadBinaryUnitsAndRefuseDecimalOnesAndNonsense) {
+  EXPECT_EQ(ParseByteSize("0"), 0u);
+  EXPECT_EQ(ParseByteSize("1048576"), 1048576u);
+  EXPECT_EQ(ParseByteSize("512MiB"), 512u << 20);
+  EXPECT_EQ(ParseByteSize(" 1.5 GiB "), 3u << 29);
+  EXPECT_EQ(ParseByteSize("2tib"), uint64_t{2} << 40);
+  EXPECT_EQ(ParseByteSize("64 B"), 64u);
+  for (const char* bad :
+       {"", "GiB", "4GB", "1.5", "0.5B", "1.2.3MiB", "-1", "1e9", "8EiB", "9000000TiB"}) {
+    EXPECT_EQ(ParseByteSize(bad), std::nullopt) << bad;
+  }
+  EXPECT_EQ(FormatByteCount(1000), "1000 bytes");
+  EXPECT_EQ(FormatByteCount(3u << 20), "3145728 bytes (3.00 MiB)");
+}
+
 TEST(FileChecks, Sha256_MatchesFipsVectors) {
   char path[] = "/tmp/cai-sha-XXXXXX";
   int fd = mkstemp(path);

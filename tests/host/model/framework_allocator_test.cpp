@@ -8,6 +8,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
+
+#include "core/status.h"
+#include "mem/pool.h"
+#include "model/model.h"
 
 namespace cai {
 namespace {
@@ -103,6 +108,111 @@ TEST(FrameworkAllocator, FreedLargeBlock_IsReusedBySameSizeClassWithinTheMostEve
   { torch::Tensor t = torch::ones({kElements}, torch::kFloat); }
   EXPECT_EQ(FrameworkMemoryUsage().cached_bytes, 0u);
   SetFrameworkCaching(true);
+}
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+// Charged to a pool, LibTorch's live bytes count against its DEVICE budget with the pool's own
+// buffers, each side failing when the other holds the room, and usage tells the two apart.
+TEST(FrameworkBudget, PoolBuffersAndLibTorchShareTheDeviceBudget) {
+  InstallFrameworkAllocator();
+  MemoryPool pool;
+  ChargeFrameworkTo(&pool);
+  {
+    torch::Tensor t = torch::empty({int64_t{1} << 20}, torch::kFloat);  // 4 MiB
+    EXPECT_GE(pool.Usage(CAI_MEM_DEVICE).framework_bytes, 4 * kMiB);
+  }
+  const TierUsage idle = pool.Usage(CAI_MEM_DEVICE);
+  EXPECT_LT(idle.framework_bytes, 4 * kMiB);  // freed: uncharged, cached or not
+  EXPECT_GE(idle.framework_peak_bytes, 4 * kMiB);
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).framework_bytes, 0u);  // the device tier's alone
+
+  pool.SetBudget(CAI_MEM_DEVICE, idle.framework_bytes + 8 * kMiB);
+  cai_buffer* buffer = pool.Allocate(CAI_MEM_DEVICE, 6 * kMiB, 0, "zero.master");
+  const std::string unit_name = "h.2";
+  try {
+    AllocationSite site("forward", 3, &unit_name);
+    torch::Tensor t = torch::empty({int64_t{1} << 20}, torch::kFloat);
+    ADD_FAILURE() << "4 MiB fitted beside 6 MiB of buffers in a budget of 8 MiB";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), CAI_RESOURCE_EXHAUSTED);
+    for (const char* fragment :
+         {"device out of memory: cannot allocate 4194304 bytes (4.00 MiB) for LibTorch's "
+          "tensors in forward of unit 3 ('h.2') on memory tier DEVICE",
+          "and the strategy's buffers 6291456 bytes (6.00 MiB) (1 buffers)",
+          "raise memory.device_budget"}) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(pool.Usage(CAI_MEM_DEVICE).framework_bytes, idle.framework_bytes);  // nothing kept
+  pool.Free(buffer);
+  {
+    torch::Tensor t = torch::empty({int64_t{1} << 20}, torch::kFloat);  // fits now
+    try {
+      pool.Allocate(CAI_MEM_DEVICE, 6 * kMiB);
+      ADD_FAILURE() << "6 MiB of buffers fitted beside 4 MiB of LibTorch's in 8 MiB";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), CAI_RESOURCE_EXHAUSTED);
+      EXPECT_NE(std::string(e.what()).find("by LibTorch's tensors"), std::string::npos) << e.what();
+    }
+    // A budget below what both hold is refused, naming LibTorch's part.
+    EXPECT_THROW(pool.SetBudget(CAI_MEM_DEVICE, 2 * kMiB), Error);
+  }
+  const TierUsage end = pool.Usage(CAI_MEM_DEVICE);
+  EXPECT_GE(end.total_peak_bytes, idle.framework_bytes + 6 * kMiB);
+  EXPECT_LE(end.total_peak_bytes, end.budget_bytes);
+  pool.ResetPeak(CAI_MEM_DEVICE);
+  EXPECT_EQ(pool.Usage(CAI_MEM_DEVICE).total_peak_bytes, end.framework_bytes);
+
+  // Blocks charged before charging stops are uncharged when freed; later ones never charged.
+  torch::Tensor charged = torch::empty({int64_t{1} << 20}, torch::kFloat);
+  ChargeFrameworkTo(nullptr);
+  torch::Tensor uncharged = torch::empty({int64_t{1} << 20}, torch::kFloat);
+  EXPECT_EQ(pool.Usage(CAI_MEM_DEVICE).framework_bytes, end.framework_bytes + 4 * kMiB);
+  charged = torch::Tensor();
+  uncharged = torch::Tensor();
+  EXPECT_EQ(pool.Usage(CAI_MEM_DEVICE).framework_bytes, end.framework_bytes);
+}
+
+// A model's forward beyond the budget fails with the device out-of-memory error of the unit it
+// was in, and the model trains again once the budget allows.
+TEST(FrameworkBudget, ForwardBeyondTheBudget_FailsNamingTheUnit) {
+  InstallFrameworkAllocator();
+  ModelConfig c;
+  c.vocab_size = 64;
+  c.n_ctx = 16;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 32;
+  auto model = MakeZooModel(c, 1);
+  std::vector<int64_t> tokens(2 * 16), targets(2 * 16);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = static_cast<int64_t>(i * 7 % 64);
+    targets[i] = static_cast<int64_t>((i + 1) * 7 % 64);
+  }
+  int64_t shape[2] = {2, 16}, strides[2] = {16, 1};
+  const cai_dtype i64{CAI_DTYPE_INT, 64, 1};
+  const cai_tensor tok{tokens.data(), {CAI_DEVICE_CPU, 0}, 2, i64, shape, strides, 0};
+  const cai_tensor tgt{targets.data(), {CAI_DEVICE_CPU, 0}, 2, i64, shape, strides, 0};
+  const double unbounded = model->ForwardBackward(tok, tgt, true, 1.0, 1.0);
+
+  MemoryPool pool;
+  ChargeFrameworkTo(&pool);
+  // Room for the inputs' copies, not for the first unit's activations [2, 16, 32].
+  pool.SetBudget(CAI_MEM_DEVICE, 2 * tokens.size() * sizeof(int64_t) + 64);
+  try {
+    model->ForwardBackward(tok, tgt, true, 1.0, 1.0);
+    ADD_FAILURE() << "the forward fitted in " << pool.Usage(CAI_MEM_DEVICE).budget_bytes;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), CAI_RESOURCE_EXHAUSTED) << e.what();
+    EXPECT_NE(std::string(e.what()).find("for LibTorch's tensors in forward of unit 0 ('"),
+              std::string::npos)
+        << e.what();
+  }
+  pool.SetBudget(CAI_MEM_DEVICE, 0);
+  model->ZeroGrad(true);
+  EXPECT_EQ(model->ForwardBackward(tok, tgt, true, 1.0, 1.0), unbounded);
+  ChargeFrameworkTo(nullptr);
 }
 
 }  // namespace

@@ -89,6 +89,11 @@ TEST(Console, RunSummary_FitsOnAScreenAndNamesTheResolvedConfiguration) {
   CAI_EXPECT_CONTAINS(text, "set train.peak_flops");
   CAI_EXPECT_CONTAINS(text, "runs/x/config.resolved.toml");
   EXPECT_LT(std::count(text.begin(), text.end(), '\n'), 25) << text;
+  EXPECT_EQ(text.find("budget "), std::string::npos);  // none set, none shown
+  s.device_budget = 3u << 30;
+  CAI_EXPECT_CONTAINS(cai::FormatRunSummary(s),
+                      "budget     3.00 GiB device per rank for buffers and LibTorch's tensors "
+                      "together (memory.device_budget)");
 }
 
 }  // namespace

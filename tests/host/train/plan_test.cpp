@@ -49,6 +49,20 @@ TEST(Plan, Gpt2_124M_HasTheKnownParameterCount) {
   EXPECT_EQ(cai::ZooModelSize(c).params, 124439808);  // GPT-2 124M with tied embeddings
 }
 
+// An enforced device budget is what the plan sizes against, and the plan says what it counts.
+TEST(Plan, Cli_EnforcedDeviceBudget_IsTheDeviceMemoryAndIsExplained) {
+  auto plan =
+      RunCommand(std::string("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent ") +
+                 CAI_EXE + " plan " + TINY_JOB + " --nproc 2 --set memory.device_budget=768MiB " +
+                 "--set launch.device_memory_gib=2");
+  ASSERT_EQ(plan.code, 0) << plan.output;
+  CAI_EXPECT_CONTAINS(plan.output, "device memory per rank 768.0 MiB");
+  CAI_EXPECT_CONTAINS(plan.output,
+                      "memory.device_budget 768.0 MiB is enforced: the strategy's DEVICE buffers "
+                      "and LibTorch's own tensors count against it together");
+  CAI_EXPECT_CONTAINS(plan.output, "the budget is an accounting boundary");
+}
+
 TEST(Plan, Cli_PrintsEveryStrategyAndAutosChoiceUsedByTrain) {
   auto plan =
       RunCommand(std::string("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent ") +

@@ -130,6 +130,47 @@ TEST(Train, FrameworkPeakBytes_GrowWithTheBatchBelowPeakRss) {
   }
 }
 
+// memory.device_budget bounds the strategy's DEVICE buffers and LibTorch's tensors together:
+// a run whose combined peak fits trains exactly as without a budget and reports its peak under
+// it; half that peak fails as a full device would, naming what was being allocated.
+TEST(Train, DeviceBudget_BoundsBuffersAndLibTorchTogetherAndBeyondItFailsLikeAFullDevice) {
+  const auto number = [](const std::string& summary, const std::string& key) {
+    std::smatch m;
+    EXPECT_TRUE(std::regex_search(summary, m, std::regex("\"" + key + "\": ([0-9]+)")))
+        << key << " missing from " << summary;
+    return m.empty() ? uint64_t{0} : std::stoull(m[1]);
+  };
+  const std::string job = std::string(TINY_JOB) + " --set train.steps=3";
+  TempDir free_run;
+  Result r = Train(job + " --run-dir " + free_run.str());
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string unbounded = ReadFile((free_run / "summary.json").string());
+  const uint64_t peak = number(unbounded, "device_total_peak_bytes");
+  // The combined peak holds at least LibTorch's own, and is what the budget must cover.
+  ASSERT_GE(peak, number(unbounded, "framework_peak_bytes"));
+  ASSERT_GT(peak, 0u);
+
+  TempDir fits;
+  const uint64_t budget = peak + (uint64_t{1} << 20);
+  r = Train(job + " --run-dir " + fits.str() +
+            " --set memory.device_budget=" + std::to_string(budget));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string bounded = ReadFile((fits / "summary.json").string());
+  EXPECT_LE(number(bounded, "device_total_peak_bytes"), budget);
+  CAI_EXPECT_CONTAINS(bounded, "\"budget_bytes\": {\"device\": " + std::to_string(budget) + ",");
+  EXPECT_EQ(LossTexts(fits / ""), LossTexts(free_run / ""));
+
+  TempDir full;
+  r = Train(job + " --run-dir " + full.str() +
+            " --set memory.device_budget=" + std::to_string(peak / 2));
+  EXPECT_NE(r.code, 0) << r.output;
+  for (const char* fragment :
+       {"device out of memory: cannot allocate ", "for LibTorch's tensors in ",
+        "on memory tier DEVICE: its budget is ", "raise memory.device_budget"}) {
+    CAI_EXPECT_CONTAINS(r.output, fragment);
+  }
+}
+
 TEST(Train, NoJobFile_TrainsTheBuiltInDefaultsWithTheOverrides) {
   // Every key at its default (`cai train --help-keys`) but a model and batch small enough for
   // one quick step; the run directory is named for the defaults.
@@ -446,6 +487,23 @@ TEST(TrainBadInput, UnknownKey_NamesNearestValidKey) {
                  "",
                  "--set train.global_bacth=4",
                  {"unknown key 'global_bacth'", "did you mean 'global_batch'?"}});
+}
+
+TEST(TrainBadInput, MemoryKeys_SizeWithDecimalUnitOrNoNumberAndMissingNvmeDirectory) {
+  ExpectRefused({"decimal unit",
+                 "[memory]\ndevice_budget = \"4GB\"\n",
+                 "",
+                 {"[memory] device_budget = \"4GB\" in $DIR/job.toml is not a size", "\"512MiB\"",
+                  "1 GB is not 1 GiB"}});
+  ExpectRefused({"no number",
+                 "",
+                 "--set memory.host_budget=lots",
+                 {"[memory] host_budget = \"lots\"", "is not a size"}});
+  ExpectRefused({"nvme dir",
+                 "",
+                 "--set memory.nvme_dir=/nonexistent/cai",
+                 {"memory.nvme_dir: NVMe directory \"/nonexistent/cai\" is not a writable "
+                  "directory"}});
 }
 
 TEST(TrainBadInput, WrongType_NamesKey) {

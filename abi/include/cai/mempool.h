@@ -22,7 +22,8 @@ enum {
   CAI_MEM_DEVICE = 0,      /* accelerator memory (host memory with its own budget on CPU) */
   CAI_MEM_PINNED_HOST = 1, /* page-locked host memory (plain host memory on CPU builds) */
   CAI_MEM_HOST = 2,        /* pageable host memory */
-  CAI_MEM_NVME = 3,        /* file-backed memory under the configured NVMe directory */
+  CAI_MEM_NVME = 3,        /* a file under the configured NVMe directory (mapped, or not:
+                              CAI_MEM_ALLOC_UNMAPPED) */
   CAI_MEM_NUM_TIERS = 4
 };
 
@@ -37,8 +38,19 @@ typedef struct cai_mem_alloc_args {
   size_t alignment; /* power of two, 0 = 64 bytes */
   const char* tag;  /* accounting label ("zero.master", "ddp.bucket"), may be NULL */
   bool zero_fill;   /* contents set to zero before return */
+  uint64_t flags;   /* ABI 1.3: CAI_MEM_ALLOC_* bits; a 1.2 host reads none */
 } cai_mem_alloc_args;
-#define CAI_MEM_ALLOC_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_mem_alloc_args, zero_fill)
+#define CAI_MEM_ALLOC_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_mem_alloc_args, flags)
+
+/* ABI 1.3 allocation flags. */
+enum {
+  /* NVME only: the buffer has no address (data returns NULL, view fails); its bytes live in
+   * the file alone and move with cai_mem_api.transfer, through pread/pwrite with O_DIRECT
+   * where the filesystem allows, so they occupy neither the process's memory nor the page
+   * cache. Starts as zeros. A mapped NVMe buffer (the default, and all a 1.0-1.2 host gives) is
+   * a shared mapping of the file: its pages count in the process's memory once touched. */
+  CAI_MEM_ALLOC_UNMAPPED = 1u << 0
+};
 
 typedef struct cai_mem_usage {
   size_t struct_size;
@@ -83,6 +95,31 @@ typedef struct cai_mem_kernel_args {
 } cai_mem_kernel_args;
 #define CAI_MEM_KERNEL_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_mem_kernel_args, stream)
 
+/* ABI 1.3: moving bytes between a buffer's range and addressable memory. */
+typedef int32_t cai_mem_direction;
+enum {
+  CAI_MEM_INTO_BUFFER = 0,  /* memory -> buffer[offset, offset + bytes) */
+  CAI_MEM_OUT_OF_BUFFER = 1 /* buffer[offset, offset + bytes) -> memory */
+};
+
+/* A transfer in flight; released by cai_mem_api.wait_transfer. */
+typedef struct cai_mem_transfer cai_mem_transfer;
+
+typedef struct cai_mem_transfer_args {
+  size_t struct_size;
+  cai_extension_base* extension_start;
+  cai_buffer* buffer; /* any tier, unmapped NVMe included */
+  size_t offset;      /* bytes into the buffer */
+  void* memory;       /* addressable memory: host memory or a mapped buffer's data */
+  size_t bytes;
+  cai_mem_direction direction;
+  /* false: done before return. true: queued on the host's copy thread (transfers run one at
+   * a time, in submission order), *out receives the handle at once; neither the range nor
+   * `memory` may be touched until wait_transfer returns. */
+  bool async;
+} cai_mem_transfer_args;
+#define CAI_MEM_TRANSFER_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_mem_transfer_args, async)
+
 typedef struct cai_mem_api {
   size_t struct_size;
   cai_extension_base* extension_start;
@@ -117,8 +154,17 @@ typedef struct cai_mem_api {
 
   /* Runs one element-wise kernel, vectorised and multi-threaded on the CPU. */
   cai_status* (*kernel)(const cai_mem_kernel_args* args);
+
+  /* ABI 1.3. Moves args->bytes between the buffer's range and args->memory (the only way into
+   * an unmapped NVMe buffer). INVALID_ARGUMENT for a range past the buffer's end; a disk
+   * error names the buffer's tag and the offset. With args->async, *out is the handle (else
+   * NULL) and errors arrive from wait_transfer. */
+  cai_status* (*transfer)(const cai_mem_transfer_args* args, cai_mem_transfer** out);
+  /* Blocks until the transfer is done, releases the handle and returns its status. Accepts
+   * NULL (returns NULL). */
+  cai_status* (*wait_transfer)(cai_mem_transfer* transfer);
 } cai_mem_api;
-#define CAI_MEM_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_mem_api, kernel)
+#define CAI_MEM_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_mem_api, wait_transfer)
 
 #ifdef __cplusplus
 } /* extern "C" */

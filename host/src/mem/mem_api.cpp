@@ -1,7 +1,10 @@
 #include "mem/mem_api.h"
 
 #include <bit>
+#include <cstdio>
 #include <cstring>
+#include <future>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -187,8 +190,18 @@ cai_status* Alloc(const cai_mem_alloc_args* args, cai_buffer** out) {
   return Guard([&] {
     RequireStructSize(args, CAI_STRUCT_SIZE(cai_mem_alloc_args, zero_fill), "cai_mem_alloc_args");
     if (!out) Invalid("cai_mem_api.alloc: out is NULL");
+    const uint64_t flags = CAI_HAS_FIELD(args, cai_mem_alloc_args, flags) ? args->flags : 0;
+    if ((flags & ~uint64_t{CAI_MEM_ALLOC_UNMAPPED}) != 0) {
+      Invalid("cai_mem_api.alloc: unknown flags 0x" + [&] {
+        char hex[24];
+        std::snprintf(hex, sizeof hex, "%llx",
+                      static_cast<unsigned long long>(flags & ~uint64_t{CAI_MEM_ALLOC_UNMAPPED}));
+        return std::string(hex);
+      }() + " (this host knows CAI_MEM_ALLOC_UNMAPPED only)");
+    }
     *out = MemoryPool::Global().Allocate(args->tier, args->bytes, args->alignment,
-                                         args->tag ? args->tag : "", args->zero_fill);
+                                         args->tag ? args->tag : "", args->zero_fill,
+                                         (flags & CAI_MEM_ALLOC_UNMAPPED) != 0);
   });
 }
 
@@ -201,6 +214,12 @@ cai_status* View(cai_buffer* buffer, cai_dtype dtype, cai_tensor* out) {
     if (!buffer || !out) Invalid("cai_mem_api.view: buffer or out is NULL");
     const size_t size = ViewElementSize(dtype);
     if (size == 0) Invalid("cai_mem_api.view: unsupported dtype " + DtypeName(dtype));
+    if (buffer->data == nullptr) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "cai_mem_api.view: buffer \"" + buffer->tag +
+                      "\" is an unmapped NVMe buffer, which has no address: move its bytes "
+                      "with cai_mem_api.transfer");
+    }
     out->data = buffer->data;
     out->device = cai_device{CAI_DEVICE_CPU, 0};
     out->ndim = 1;
@@ -260,6 +279,49 @@ cai_status* Kernel(const cai_mem_kernel_args* args) {
 }
 
 }  // namespace
+}  // namespace cai
+
+// The handle of an asynchronous transfer: what the copy thread will report.
+struct cai_mem_transfer {
+  std::future<void> done;
+};
+
+namespace cai {
+namespace {
+
+cai_status* Transfer(const cai_mem_transfer_args* args, cai_mem_transfer** out) {
+  return Guard([&] {
+    RequireStructSize(args, CAI_MEM_TRANSFER_ARGS_STRUCT_SIZE, "cai_mem_transfer_args");
+    if (out) *out = nullptr;
+    if (args->direction != CAI_MEM_INTO_BUFFER && args->direction != CAI_MEM_OUT_OF_BUFFER) {
+      Invalid("cai_mem_api.transfer: direction " + std::to_string(args->direction) +
+              " is neither CAI_MEM_INTO_BUFFER (0) nor CAI_MEM_OUT_OF_BUFFER (1)");
+    }
+    const cai_mem_transfer_args a = *args;
+    auto run = [a] {
+      if (a.direction == CAI_MEM_INTO_BUFFER) {
+        MemoryPool::Write(a.buffer, a.offset, a.memory, a.bytes);
+      } else {
+        MemoryPool::Read(a.buffer, a.offset, a.memory, a.bytes);
+      }
+    };
+    if (!a.async) {
+      run();
+      return;
+    }
+    if (!out) Invalid("cai_mem_api.transfer: async needs out, for the handle to wait on");
+    auto* handle = new cai_mem_transfer{MemoryPool::Global().Submit(std::move(run))};
+    *out = handle;
+  });
+}
+
+cai_status* WaitTransfer(cai_mem_transfer* transfer) {
+  if (transfer == nullptr) return nullptr;
+  std::unique_ptr<cai_mem_transfer> owned(transfer);
+  return Guard([&] { owned->done.get(); });
+}
+
+}  // namespace
 
 const cai_mem_api* MemApi() {
   static const cai_mem_api api = {
@@ -276,6 +338,8 @@ const cai_mem_api* MemApi() {
       .reset_peak = ResetPeak,
       .copy = Copy,
       .kernel = Kernel,
+      .transfer = Transfer,
+      .wait_transfer = WaitTransfer,
   };
   return &api;
 }

@@ -9,16 +9,20 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <new>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "core/env.h"
 #include "core/status.h"
 #include "core/strings.h"
+#include "mem/kernels.h"
 #include "mem/parallel.h"
 
 namespace cai {
@@ -28,6 +32,11 @@ constexpr size_t kDefaultAlignment = 64;
 // Largest rounding step of a size class: the granularity PyTorch's caching allocator uses for
 // large blocks, so a large block wastes at most 2 MiB.
 constexpr size_t kMaxClassStep = size_t{2} << 20;
+// What O_DIRECT needs aligned (file offsets, lengths, memory): the largest logical block size
+// in use, so one value serves every disk.
+constexpr size_t kDirectBlock = 4096;
+// Staging for the parts of a transfer that are not block-aligned, per thread.
+constexpr size_t kStagingBytes = size_t{4} << 20;
 // Requests above this are refused before any rounding arithmetic could overflow.
 constexpr size_t kMaxRequest = size_t{1} << 56;
 
@@ -70,9 +79,39 @@ std::string TierName(cai_mem_tier tier) {
   }
 }
 
+// One thread running copies in submission order; its destructor finishes what was submitted.
+struct MemoryPool::CopyQueue {
+  std::mutex mu;
+  std::condition_variable ready;
+  std::deque<std::packaged_task<void()>> tasks;
+  bool stopping = false;
+  std::thread worker{[this] {
+    for (;;) {
+      std::packaged_task<void()> task;
+      {
+        std::unique_lock lock(mu);
+        ready.wait(lock, [&] { return stopping || !tasks.empty(); });
+        if (tasks.empty()) return;
+        task = std::move(tasks.front());
+        tasks.pop_front();
+      }
+      task();
+    }
+  }};
+  ~CopyQueue() {
+    {
+      std::lock_guard lock(mu);
+      stopping = true;
+    }
+    ready.notify_one();
+    worker.join();
+  }
+};
+
 MemoryPool::MemoryPool() : nvme_dir_(DefaultNvmeDirectory()) {}
 
 MemoryPool::~MemoryPool() {
+  copies_.reset();  // submitted copies finish first: they may use the cached blocks' memory
   for (int tier = 0; tier < CAI_MEM_NUM_TIERS; ++tier) ReleaseCached(tier);
 }
 
@@ -95,7 +134,7 @@ const MemoryPool::Tier& MemoryPool::At(cai_mem_tier tier) const {
 }
 
 cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignment,
-                                 std::string_view tag, bool zero_fill) {
+                                 std::string_view tag, bool zero_fill, bool unmapped) {
   Tier& t = At(tier);
   const std::string name = TierName(tier);
   if (bytes == 0) throw Error(CAI_INVALID_ARGUMENT, "cannot allocate 0 bytes on tier " + name);
@@ -114,7 +153,14 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
                                           " exceeds the page size (" + std::to_string(PageSize()) +
                                           "), the most the NVMe tier's file mappings give");
   }
-  const size_t capacity = RoundUp(SizeClass(bytes), align);
+  if (unmapped && tier != CAI_MEM_NVME) {
+    throw Error(CAI_INVALID_ARGUMENT, "an unmapped block was requested on tier " + name +
+                                          ": only NVME blocks can be unmapped (files without an "
+                                          "address); allocate this one mapped");
+  }
+  // Unmapped blocks are whole direct-I/O blocks of their file, and not cached.
+  const size_t capacity =
+      unmapped ? RoundUp(bytes, kDirectBlock) : RoundUp(SizeClass(bytes), align);
 
   cai_buffer* block = nullptr;
   std::unordered_multimap<size_t, cai_buffer*> trimmed;
@@ -136,7 +182,8 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
               ". Free buffers on this tier, offload to another tier, or raise the "
               "budget (memory.device_budget / host_budget, cai_mem_api.set_budget)");
     }
-    auto [first, last] = t.cached.equal_range(capacity);
+    auto [first, last] =
+        unmapped ? std::pair{t.cached.end(), t.cached.end()} : t.cached.equal_range(capacity);
     for (auto it = first; it != last; ++it) {
       if (it->second->alignment >= align) {
         block = it->second;
@@ -163,7 +210,15 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
   if (!block) {
     try {
       block = new cai_buffer;
-      block->data = MapBlock(tier, capacity, align);
+      if (unmapped) {
+        block->fd = CreateNvmeFile(capacity);
+        // O_DIRECT keeps the bytes out of the page cache too; a filesystem without it (tmpfs)
+        // still keeps them out of the process, pwrite never maps them in.
+        const int flags = fcntl(block->fd, F_GETFL);
+        block->direct_io = flags >= 0 && fcntl(block->fd, F_SETFL, flags | O_DIRECT) == 0;
+      } else {
+        block->data = MapBlock(tier, capacity, align);
+      }
     } catch (...) {
       delete block;
       std::lock_guard lock(t.mu);
@@ -178,18 +233,25 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
   block->bytes = bytes;
   block->tag.assign(tag);
   for (size_t i = 0; i < 4; ++i) block->elements[i] = static_cast<int64_t>(bytes >> i);
-  if (zero_fill) ZeroFill(block->data, bytes);
+  if (zero_fill && block->data) ZeroFill(block->data, bytes);  // a new file reads as zeros
   return block;
 }
 
 void MemoryPool::Free(cai_buffer* buffer) {
   if (!buffer) return;
   Tier& t = At(buffer->tier);
-  std::lock_guard lock(t.mu);
-  t.usage.current_bytes -= buffer->bytes;
-  --t.usage.num_allocations;
-  t.usage.cached_bytes += buffer->capacity;
-  t.cached.emplace(buffer->capacity, buffer);
+  {
+    std::lock_guard lock(t.mu);
+    t.usage.current_bytes -= buffer->bytes;
+    --t.usage.num_allocations;
+    if (buffer->fd < 0) {
+      t.usage.cached_bytes += buffer->capacity;
+      t.cached.emplace(buffer->capacity, buffer);
+      return;
+    }
+  }
+  UnmapBlock(*buffer);
+  delete buffer;
 }
 
 void MemoryPool::SetBudget(cai_mem_tier tier, uint64_t bytes) {
@@ -301,6 +363,19 @@ void* MemoryPool::MapBlock(cai_mem_tier tier, size_t capacity, size_t alignment)
     }
     return data;
   }
+  const int fd = CreateNvmeFile(capacity);
+  void* data = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int map_errno = errno;
+  close(fd);
+  if (data == MAP_FAILED) {
+    throw Error(CAI_RESOURCE_EXHAUSTED, "cannot map " + FormatByteCount(capacity) +
+                                            " of the NVMe tier's file in \"" + NvmeDirectory() +
+                                            "\": " + std::strerror(map_errno));
+  }
+  return data;
+}
+
+int MemoryPool::CreateNvmeFile(size_t capacity) const {
   const std::string dir = NvmeDirectory();
   std::string path = dir + "/cai-nvme-XXXXXX";
   const int fd = mkstemp(path.data());
@@ -321,23 +396,136 @@ void* MemoryPool::MapBlock(cai_mem_tier tier, size_t capacity, size_t alignment)
                 "cannot reserve " + FormatByteCount(capacity) + " for the NVMe tier in \"" + dir +
                     "\": " + std::strerror(err) + ". Free disk space or choose another directory");
   }
-  void* data = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int map_errno = errno;
-  close(fd);
-  if (data == MAP_FAILED) {
-    throw Error(CAI_RESOURCE_EXHAUSTED, "cannot map " + FormatByteCount(capacity) +
-                                            " of the NVMe tier's file in \"" + dir +
-                                            "\": " + std::strerror(map_errno));
-  }
-  return data;
+  return fd;
 }
 
 void MemoryPool::UnmapBlock(const cai_buffer& block) {
-  if (block.tier == CAI_MEM_NVME) {
+  if (block.fd >= 0) {
+    close(block.fd);
+  } else if (block.tier == CAI_MEM_NVME) {
     munmap(block.data, block.capacity);
   } else {
     std::free(block.data);
   }
+}
+
+namespace {
+
+// Whole blocks of an unmapped NVMe file, `bytes` at block-aligned `offset` (both multiples
+// of kDirectBlock, `memory` aligned to it), moved with pread/pwrite until done.
+void DirectIo(const cai_buffer& b, bool write, size_t offset, char* memory, size_t bytes) {
+  while (bytes > 0) {
+    const ssize_t n = write ? pwrite(b.fd, memory, bytes, static_cast<off_t>(offset))
+                            : pread(b.fd, memory, bytes, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : EIO;
+      throw Error(err == ENOSPC ? CAI_RESOURCE_EXHAUSTED : CAI_INTERNAL,
+                  std::string("cannot ") + (write ? "write " : "read ") + FormatByteCount(bytes) +
+                      " at offset " + std::to_string(offset) + " of the NVMe tier's file for \"" +
+                      b.tag + "\": " + std::strerror(err));
+    }
+    offset += static_cast<size_t>(n);
+    memory += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+char* Staging() {
+  struct Buffer {
+    char* data = nullptr;
+    ~Buffer() { std::free(data); }
+  };
+  thread_local Buffer staging;
+  if (staging.data == nullptr) {
+    void* p = nullptr;
+    if (posix_memalign(&p, kDirectBlock, kStagingBytes) != 0) throw std::bad_alloc();
+    staging.data = static_cast<char*>(p);
+  }
+  return staging.data;
+}
+
+// Moves [offset, offset + bytes) of an unmapped block to or from `memory`: aligned ranges
+// straight from the caller's memory, the rest through a block-aligned staging buffer (a write
+// that covers part of a block reads the block first, so its other bytes stay).
+void FileTransfer(const cai_buffer& b, bool write, size_t offset, char* memory, size_t bytes) {
+  const auto aligned = [](size_t v) { return v % kDirectBlock == 0; };
+  if (aligned(offset) && aligned(bytes) && aligned(reinterpret_cast<uintptr_t>(memory))) {
+    DirectIo(b, write, offset, memory, bytes);
+    return;
+  }
+  char* staging = Staging();
+  while (bytes > 0) {
+    const size_t start = offset / kDirectBlock * kDirectBlock;
+    const size_t head = offset - start;
+    const size_t take = std::min(bytes, kStagingBytes - head);
+    const size_t span = RoundUp(head + take, kDirectBlock);
+    if (write) {
+      if (head != 0 || take % kDirectBlock != 0) DirectIo(b, false, start, staging, span);
+      std::memcpy(staging + head, memory, take);
+      DirectIo(b, true, start, staging, span);
+    } else {
+      DirectIo(b, false, start, staging, span);
+      std::memcpy(memory, staging + head, take);
+    }
+    offset += take;
+    memory += take;
+    bytes -= take;
+  }
+}
+
+void CheckRange(const cai_buffer* b, size_t offset, size_t bytes, const void* memory,
+                const char* what) {
+  if (b == nullptr) throw Error(CAI_INVALID_ARGUMENT, std::string(what) + ": buffer is NULL");
+  if (bytes > 0 && memory == nullptr) {
+    throw Error(CAI_INVALID_ARGUMENT, std::string(what) + ": memory is NULL");
+  }
+  if (offset > b->bytes || bytes > b->bytes - offset) {
+    throw Error(CAI_INVALID_ARGUMENT, std::string(what) + " of " + std::to_string(bytes) +
+                                          " bytes at offset " + std::to_string(offset) +
+                                          " runs past the end of the " + std::to_string(b->bytes) +
+                                          "-byte buffer" +
+                                          (b->tag.empty() ? std::string() : " \"" + b->tag + "\""));
+  }
+}
+
+}  // namespace
+
+void MemoryPool::Write(cai_buffer* buffer, size_t offset, const void* src, size_t bytes) {
+  CheckRange(buffer, offset, bytes, src, "write");
+  if (bytes == 0) return;
+  if (buffer->fd >= 0) {
+    FileTransfer(*buffer, true, offset, const_cast<char*>(static_cast<const char*>(src)), bytes);
+  } else {
+    ParallelMemcpy(static_cast<char*>(buffer->data) + offset, src, bytes);
+  }
+}
+
+void MemoryPool::Read(const cai_buffer* buffer, size_t offset, void* dst, size_t bytes) {
+  CheckRange(buffer, offset, bytes, dst, "read");
+  if (bytes == 0) return;
+  if (buffer->fd >= 0) {
+    FileTransfer(*buffer, false, offset, static_cast<char*>(dst), bytes);
+  } else {
+    ParallelMemcpy(dst, static_cast<const char*>(buffer->data) + offset, bytes);
+  }
+}
+
+std::future<void> MemoryPool::Submit(std::function<void()> copy) {
+  std::packaged_task<void()> task(std::move(copy));
+  std::future<void> done = task.get_future();
+  CopyQueue* queue = nullptr;
+  {
+    std::lock_guard lock(copy_mu_);
+    if (!copies_) copies_ = std::make_unique<CopyQueue>();
+    queue = copies_.get();
+  }
+  {
+    std::lock_guard lock(queue->mu);
+    queue->tasks.push_back(std::move(task));
+  }
+  queue->ready.notify_one();
+  return done;
 }
 
 }  // namespace cai

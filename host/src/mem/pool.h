@@ -4,8 +4,10 @@
 //
 // Tiers on this CPU-only build: DEVICE is host memory with its own budget (so budgets and
 // offload behave as on a GPU host), PINNED_HOST is plain host memory, HOST is pageable host
-// memory, NVME is a shared mapping of a file in the NVMe directory (unlinked as soon as it is
-// created, so nothing is left behind even after a crash).
+// memory, NVME is a file in the NVMe directory (unlinked as soon as it is created, so nothing
+// is left behind even after a crash): a shared mapping of it, or, for an unmapped block, the
+// file alone, whose bytes move with Read/Write (pread/pwrite with O_DIRECT where the
+// filesystem allows), so they stay out of the process's memory and the page cache.
 //
 // Accounting: current_bytes counts the bytes callers asked for; a budget limits current_bytes.
 // Freed blocks are cached by size class (rounded up by at most 1/8, and at most 2 MiB) and
@@ -21,6 +23,9 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -41,6 +46,9 @@ struct cai_buffer {
   // buffer, whatever dtypes they were taken with.
   int64_t elements[4] = {};
   int64_t unit_stride = 1;
+  // An unmapped NVMe block: data is nullptr, the bytes are in this file.
+  int fd = -1;
+  bool direct_io = false;  // the file is open with O_DIRECT
 };
 
 namespace cai {
@@ -79,8 +87,10 @@ class MemoryPool {
   // RESOURCE_EXHAUSTED over the tier's budget or when the system has no memory / disk left,
   // INVALID_ARGUMENT for a bad tier, size or alignment, FAILED_PRECONDITION when the NVMe
   // directory cannot hold the backing file.
+  // `unmapped` (NVME only): a block without an address, read and written through Read/Write;
+  // its bytes start as zeros. Unmapped blocks are not cached: Free gives the file's space back.
   cai_buffer* Allocate(cai_mem_tier tier, size_t bytes, size_t alignment = 0,
-                       std::string_view tag = {}, bool zero_fill = false);
+                       std::string_view tag = {}, bool zero_fill = false, bool unmapped = false);
   // Returns the block to its tier's cache. Accepts nullptr.
   void Free(cai_buffer* buffer);
 
@@ -97,6 +107,15 @@ class MemoryPool {
   void UnchargeFramework(uint64_t bytes);
   // Returns the tier's cached blocks to the system.
   void ReleaseCached(cai_mem_tier tier);
+
+  // Copies `bytes` from `src` into the buffer at byte `offset`, or out of it into `dst`: any
+  // tier, an unmapped NVMe block through its file. Throws INVALID_ARGUMENT for a range beyond
+  // the buffer, RESOURCE_EXHAUSTED / INTERNAL for a failed disk read or write (naming it).
+  static void Write(cai_buffer* buffer, size_t offset, const void* src, size_t bytes);
+  static void Read(const cai_buffer* buffer, size_t offset, void* dst, size_t bytes);
+  // Runs `copy` on the pool's copy thread (started on first use), in submission order; the
+  // future carries its exception. Lets a strategy's prefetch and offload overlap compute.
+  std::future<void> Submit(std::function<void()> copy);
 
   // Called with a block's size before host memory is taken from the system for it, so that
   // another cache in the process (LibTorch's freed blocks, model/framework_allocator.h) gives
@@ -123,9 +142,16 @@ class MemoryPool {
   void* MapBlock(cai_mem_tier tier, size_t capacity, size_t alignment);
   static void UnmapBlock(const cai_buffer& block);
 
+  // An unlinked, fully reserved file of `capacity` bytes in the NVMe directory; its fd.
+  int CreateNvmeFile(size_t capacity) const;
+
   std::array<Tier, CAI_MEM_NUM_TIERS> tiers_;
   mutable std::mutex nvme_mu_;
   std::string nvme_dir_;
+
+  struct CopyQueue;
+  std::mutex copy_mu_;
+  std::unique_ptr<CopyQueue> copies_;
 };
 
 }  // namespace cai

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -127,7 +128,7 @@ TEST(MemApi, StructSizeTooSmallOrNullArguments_AreInvalidArguments) {
   const cai_mem_api* api = MemApi();
   cai_buffer* out = nullptr;
   cai_mem_alloc_args args = AllocArgs(CAI_MEM_HOST, 64);
-  args.struct_size = CAI_MEM_ALLOC_ARGS_STRUCT_SIZE - 1;
+  args.struct_size = CAI_STRUCT_SIZE(cai_mem_alloc_args, zero_fill) - 1;  // short of ABI 1.0's
   auto [code, msg] = Take(api->alloc(&args, &out));
   EXPECT_EQ(code, CAI_INVALID_ARGUMENT);
   EXPECT_NE(msg.find("struct_size"), std::string::npos) << msg;
@@ -167,6 +168,93 @@ TEST(MemApi, Copy_BetweenTiers_CopiesBytes) {
   EXPECT_EQ(src[1], static_cast<const uint8_t*>(api->data(nvme))[0]);
   api->free(nvme);
   api->free(device);
+}
+
+cai_mem_transfer_args TransferArgs(cai_buffer* b, size_t offset, void* memory, size_t bytes,
+                                   cai_mem_direction direction, bool async) {
+  cai_mem_transfer_args t{};
+  t.struct_size = CAI_MEM_TRANSFER_ARGS_STRUCT_SIZE;
+  t.buffer = b;
+  t.offset = offset;
+  t.memory = memory;
+  t.bytes = bytes;
+  t.direction = direction;
+  t.async = async;
+  return t;
+}
+
+// An unmapped NVMe buffer has no address; its bytes move with transfer, synchronously or on the
+// copy thread in submission order, and errors of an asynchronous one come from wait_transfer.
+TEST(MemApi, UnmappedNvme_MovesBytesOnlyThroughTransferAndAsyncRunsInOrder) {
+  const cai_mem_api* api = MemApi();
+  cai_mem_alloc_args a = AllocArgs(CAI_MEM_NVME, 3 << 20);
+  a.flags = CAI_MEM_ALLOC_UNMAPPED;
+  a.tag = "gemini.optim";
+  cai_buffer* nvme = nullptr;
+  ASSERT_EQ(api->alloc(&a, &nvme), nullptr);
+  EXPECT_EQ(api->data(nvme), nullptr);
+  EXPECT_EQ(api->size(nvme), size_t{3} << 20);
+  cai_tensor view{};
+  auto [code, message] = Take(api->view(nvme, {CAI_DTYPE_FLOAT, 32, 1}, &view));
+  EXPECT_EQ(code, CAI_FAILED_PRECONDITION);
+  EXPECT_NE(message.find("gemini.optim"), std::string::npos) << message;
+
+  std::vector<uint8_t> first(1 << 20), second(1 << 20), back(1 << 20);
+  for (size_t i = 0; i < first.size(); ++i) {
+    first[i] = static_cast<uint8_t>(i * 7);
+    second[i] = static_cast<uint8_t>(i * 13 + 1);
+  }
+  cai_mem_transfer_args sync =
+      TransferArgs(nvme, 100, first.data(), first.size(), CAI_MEM_INTO_BUFFER, false);
+  cai_mem_transfer* none = reinterpret_cast<cai_mem_transfer*>(&sync);  // must be cleared
+  ASSERT_EQ(api->transfer(&sync, &none), nullptr);
+  EXPECT_EQ(none, nullptr);
+  // Queued: write `second` over it, then read it back; the read sees the write.
+  cai_mem_transfer *write = nullptr, *read = nullptr;
+  cai_mem_transfer_args w =
+      TransferArgs(nvme, 100, second.data(), second.size(), CAI_MEM_INTO_BUFFER, true);
+  cai_mem_transfer_args r =
+      TransferArgs(nvme, 100, back.data(), back.size(), CAI_MEM_OUT_OF_BUFFER, true);
+  ASSERT_EQ(api->transfer(&w, &write), nullptr);
+  ASSERT_EQ(api->transfer(&r, &read), nullptr);
+  ASSERT_NE(write, nullptr);
+  ASSERT_NE(read, nullptr);
+  EXPECT_EQ(api->wait_transfer(write), nullptr);
+  EXPECT_EQ(api->wait_transfer(read), nullptr);
+  EXPECT_EQ(back, second);
+  // Past the end: refused at once when synchronous, from wait_transfer when not.
+  cai_mem_transfer_args past =
+      TransferArgs(nvme, (3 << 20) - 10, back.data(), 11, CAI_MEM_OUT_OF_BUFFER, false);
+  std::tie(code, message) = Take(api->transfer(&past, nullptr));
+  EXPECT_EQ(code, CAI_INVALID_ARGUMENT);
+  EXPECT_NE(message.find("runs past the end of the 3145728-byte buffer \"gemini.optim\""),
+            std::string::npos)
+      << message;
+  past.async = true;
+  cai_mem_transfer* late = nullptr;
+  ASSERT_EQ(api->transfer(&past, &late), nullptr);
+  EXPECT_EQ(Take(api->wait_transfer(late)).first, CAI_INVALID_ARGUMENT);
+  EXPECT_EQ(api->wait_transfer(nullptr), nullptr);
+  EXPECT_EQ(Take(api->transfer(&past, nullptr)).first, CAI_INVALID_ARGUMENT);  // async, no out
+  api->free(nvme);
+
+  // Mapped buffers take transfers too; unmapped is NVMe's alone; unknown flags are refused.
+  cai_mem_alloc_args h = AllocArgs(CAI_MEM_HOST, 4096);
+  cai_buffer* host = nullptr;
+  ASSERT_EQ(api->alloc(&h, &host), nullptr);
+  cai_mem_transfer_args into =
+      TransferArgs(host, 0, first.data(), 4096, CAI_MEM_INTO_BUFFER, false);
+  ASSERT_EQ(api->transfer(&into, nullptr), nullptr);
+  EXPECT_EQ(std::memcmp(api->data(host), first.data(), 4096), 0);
+  api->free(host);
+  h.flags = CAI_MEM_ALLOC_UNMAPPED;
+  std::tie(code, message) = Take(api->alloc(&h, &host));
+  EXPECT_EQ(code, CAI_INVALID_ARGUMENT);
+  EXPECT_NE(message.find("only NVME blocks can be unmapped"), std::string::npos) << message;
+  h.flags = 1u << 7;
+  std::tie(code, message) = Take(api->alloc(&h, &host));
+  EXPECT_EQ(code, CAI_INVALID_ARGUMENT);
+  EXPECT_NE(message.find("unknown flags 0x80"), std::string::npos) << message;
 }
 
 TEST(MemApi, Kernels_ComputeThroughDescriptors) {

@@ -7,9 +7,11 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <string>
 #include <thread>
 #include <vector>
@@ -215,6 +217,124 @@ TEST(MemPool, NvmeTier_RoundTripsDataThroughUnlinkedFile) {
   pool.Free(b);
   pool.ReleaseCached(CAI_MEM_NVME);
   EXPECT_TRUE(dir.Entries().empty());
+}
+
+// The process's resident memory (VmRSS), in bytes.
+uint64_t ResidentBytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+// Unaligned ranges of every shape land where they were written: heads and tails of blocks,
+// ranges beyond the staging buffer, and aligned ones straight from the caller's memory.
+TEST(MemPool, UnmappedNvme_KeepsEveryRangeWrittenAndNothingElse) {
+  TempDir dir;
+  MemoryPool pool;
+  pool.SetNvmeDirectory(dir.path());
+  const size_t n = (10 << 20) + 123;
+  cai_buffer* b = pool.Allocate(CAI_MEM_NVME, n, 0, "gemini.optim", false, /*unmapped=*/true);
+  EXPECT_EQ(b->data, nullptr);
+  EXPECT_GE(b->fd, 0);
+  EXPECT_TRUE(dir.Entries().empty());
+  std::vector<uint8_t> expected(n, 0), got(n, 0xff);
+  MemoryPool::Read(b, 0, got.data(), n);
+  EXPECT_EQ(got, expected);  // a new buffer reads as zeros
+
+  uint32_t state = 12345;
+  auto next = [&] { return state = state * 1664525u + 1013904223u; };
+  std::vector<uint8_t> source(6 << 20);
+  for (uint8_t& v : source) v = static_cast<uint8_t>(next() >> 24);
+  const std::pair<size_t, size_t> ranges[] = {
+      {0, 1},       {4095, 2},       {4096, 4096},         {5000, 100}, {123, (5 << 20) + 7},
+      {n - 10, 10}, {8192, 4 << 20}, {(6 << 20) + 1, 8191}};
+  for (auto [offset, bytes] : ranges) {
+    MemoryPool::Write(b, offset, source.data() + (offset % 1000), bytes);
+    std::memcpy(expected.data() + offset, source.data() + (offset % 1000), bytes);
+  }
+  // Aligned offset, length and memory: straight to the file.
+  void* aligned = nullptr;
+  ASSERT_EQ(posix_memalign(&aligned, 4096, 1 << 20), 0);
+  std::memset(aligned, 0x5a, 1 << 20);
+  MemoryPool::Write(b, 2 << 20, aligned, 1 << 20);
+  std::memset(expected.data() + (2 << 20), 0x5a, 1 << 20);
+  MemoryPool::Read(b, 0, got.data(), n);
+  EXPECT_EQ(got, expected);
+  std::vector<uint8_t> part(777);
+  MemoryPool::Read(b, 4093, part.data(), part.size());
+  EXPECT_TRUE(std::equal(part.begin(), part.end(), expected.begin() + 4093));
+  MemoryPool::Read(b, 2 << 20, aligned, 1 << 20);
+  EXPECT_EQ(std::memcmp(aligned, expected.data() + (2 << 20), 1 << 20), 0);
+  std::free(aligned);
+
+  try {
+    MemoryPool::Write(b, n - 5, source.data(), 6);
+    FAIL() << "a write past the end succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), CAI_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("\"gemini.optim\""), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(pool.Usage(CAI_MEM_NVME).current_bytes, n);
+  pool.Free(b);
+  EXPECT_EQ(pool.Usage(CAI_MEM_NVME).current_bytes, 0u);
+  EXPECT_EQ(pool.Usage(CAI_MEM_NVME).cached_bytes, 0u);  // not cached: the file is gone
+  EXPECT_THROW(pool.Allocate(CAI_MEM_HOST, 100, 0, {}, false, true), Error);
+}
+
+// What an unmapped buffer holds stays out of the process: writing 256 MiB through one leaves
+// the resident memory where it was, while a mapped NVMe buffer's pages count once touched.
+TEST(MemPool, UnmappedNvme_LeavesTheProcessResidentMemoryWhereMappedDoesNot) {
+  TempDir dir;
+  MemoryPool pool;
+  pool.SetNvmeDirectory(dir.path());
+  constexpr size_t kBytes = size_t{256} << 20, kChunk = size_t{8} << 20;
+  void* chunk = nullptr;
+  ASSERT_EQ(posix_memalign(&chunk, 4096, kChunk), 0);
+  std::memset(chunk, 0x42, kChunk);
+  const uint64_t before = ResidentBytes();
+  cai_buffer* unmapped = pool.Allocate(CAI_MEM_NVME, kBytes, 0, "offload", false, true);
+  for (size_t offset = 0; offset < kBytes; offset += kChunk) {
+    MemoryPool::Write(unmapped, offset, chunk, kChunk);
+  }
+  const uint64_t after_unmapped = ResidentBytes();
+  EXPECT_LT(after_unmapped, before + (size_t{32} << 20))
+      << "unmapped: " << before << " -> " << after_unmapped << " bytes resident";
+  if (!unmapped->direct_io) {
+    GTEST_LOG_(INFO) << dir.path() << " does not take O_DIRECT: the bytes sit in the page cache";
+  }
+  pool.Free(unmapped);
+
+  cai_buffer* mapped = pool.Allocate(CAI_MEM_NVME, kBytes, 0, "offload");
+  for (size_t offset = 0; offset < kBytes; offset += kChunk) {
+    std::memcpy(static_cast<char*>(mapped->data) + offset, chunk, kChunk);
+  }
+  const uint64_t after_mapped = ResidentBytes();
+  EXPECT_GE(after_mapped, after_unmapped + (size_t{200} << 20))
+      << "mapped: " << after_unmapped << " -> " << after_mapped << " bytes resident";
+  pool.Free(mapped);
+  pool.ReleaseCached(CAI_MEM_NVME);
+  std::free(chunk);
+}
+
+// Copies submitted to the pool run on its one copy thread, in order, and report their errors.
+TEST(MemPool, SubmittedCopies_RunInOrderOffTheCallingThreadAndCarryTheirErrors) {
+  MemoryPool pool;
+  std::vector<int> order;
+  const std::thread::id caller = std::this_thread::get_id();
+  std::vector<std::future<void>> done;
+  for (int i = 0; i < 50; ++i) {
+    done.push_back(pool.Submit([&order, i, caller] {
+      EXPECT_NE(std::this_thread::get_id(), caller);
+      order.push_back(i);
+    }));
+  }
+  done.push_back(pool.Submit([] { throw Error(CAI_INTERNAL, "disk gone"); }));
+  for (int i = 0; i < 50; ++i) done[i].get();
+  EXPECT_THROW(done.back().get(), Error);
+  ASSERT_EQ(order.size(), 50u);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(order[i], i);
 }
 
 TEST(MemPool, NvmeDirectoryNotWritable_IsRefused) {

@@ -42,6 +42,13 @@ constexpr size_t kMaxRequest = size_t{1} << 56;
 
 size_t RoundUp(size_t n, size_t step) { return (n + step - 1) / step * step; }
 
+// Whether `bytes` more would take the tier past its budget, counting its buffers and, on
+// DEVICE, LibTorch's tensors.
+bool OverBudget(const TierUsage& u, uint64_t bytes) {
+  const uint64_t held = u.current_bytes + u.framework_bytes;
+  return u.budget_bytes != 0 && bytes > u.budget_bytes - std::min(held, u.budget_bytes);
+}
+
 // Size classes 1/8 of a power of two apart (at least 64 bytes, at most 2 MiB): a reused block
 // is at most 12.5% larger than the request.
 size_t SizeClass(size_t bytes) {
@@ -168,7 +175,7 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
     std::lock_guard lock(t.mu);
     TierUsage& u = t.usage;
     const uint64_t held = u.current_bytes + u.framework_bytes;
-    if (u.budget_bytes != 0 && bytes > u.budget_bytes - std::min(held, u.budget_bytes)) {
+    if (OverBudget(u, bytes)) {
       throw Error(
           CAI_RESOURCE_EXHAUSTED,
           "cannot allocate " + FormatByteCount(bytes) +
@@ -297,11 +304,10 @@ bool MemoryPool::TryChargeFramework(uint64_t bytes) {
   Tier& t = At(CAI_MEM_DEVICE);
   std::lock_guard lock(t.mu);
   TierUsage& u = t.usage;
-  const uint64_t held = u.current_bytes + u.framework_bytes;
-  if (u.budget_bytes != 0 && bytes > u.budget_bytes - std::min(held, u.budget_bytes)) return false;
+  if (OverBudget(u, bytes)) return false;
   u.framework_bytes += bytes;
   u.framework_peak_bytes = std::max(u.framework_peak_bytes, u.framework_bytes);
-  u.total_peak_bytes = std::max(u.total_peak_bytes, held + bytes);
+  u.total_peak_bytes = std::max(u.total_peak_bytes, u.current_bytes + u.framework_bytes);
   return true;
 }
 

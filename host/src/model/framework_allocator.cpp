@@ -95,13 +95,10 @@ void Release(char* base) {
   if (header.inner_deleter != nullptr) header.inner_deleter(header.inner_context);
 }
 
-// Charges a block about to be handed out to the pool charging is on for, or throws the
-// device out-of-memory error; records the pool in the header for the free.
-void Charge(char* base, size_t bytes) {
-  auto* header = reinterpret_cast<Header*>(base);
-  header->charged = g_charged_pool.load(std::memory_order_acquire);
-  if (header->charged == nullptr || header->charged->TryChargeFramework(bytes)) return;
-  const TierUsage u = header->charged->Usage(CAI_MEM_DEVICE);
+// The device out-of-memory error of a request `pool`'s DEVICE budget has no room for, naming
+// the allocation site of this thread.
+[[noreturn]] void ThrowOverBudget(const MemoryPool& pool, size_t bytes) {
+  const TierUsage u = pool.Usage(CAI_MEM_DEVICE);
   const Site& site = t_site;
   std::string what = site.phase ? site.phase : "an operation outside the training step";
   if (site.unit >= 0) {
@@ -160,16 +157,17 @@ class CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t bytes) const override {
     if (bytes == 0) return inner_->allocate(0);  // nothing to count; no memory behind it
     const size_t counted = SizeClass(bytes);
+    // Charged before any memory is taken, so a request over the budget takes none.
+    MemoryPool* pool = g_charged_pool.load(std::memory_order_acquire);
+    if (pool != nullptr && !pool->TryChargeFramework(counted)) ThrowOverBudget(*pool, counted);
     char* base = counted >= kCacheMin ? Reuse(counted) : nullptr;
-    if (base == nullptr) base = Fresh(counted);
     try {
-      Charge(base, counted);
+      if (base == nullptr) base = Fresh(counted);
     } catch (...) {
-      reinterpret_cast<Header*>(base)->charged = nullptr;
-      g_current.fetch_add(counted, std::memory_order_relaxed);  // Delete subtracts it
-      Delete(base + kHeader);
+      if (pool != nullptr) pool->UnchargeFramework(counted);
       throw;
     }
+    reinterpret_cast<Header*>(base)->charged = pool;  // the free uncharges the same pool
     Count(counted);
     char* data = base + kHeader;
     return {data, data, &Delete, c10::Device(c10::DeviceType::CPU)};

@@ -80,13 +80,14 @@
 // gathered and written by rank 0, which every strategy loads; load reads either.
 #include <algorithm>
 #include <cai/sdk.hpp>
+#include <cai/sdk/collectives.hpp>
 #include <cai/sdk/flat.hpp>
 #include <cai/sdk/overlap.hpp>
 #include <cai/sdk/sharded_index.hpp>
+#include <cai/sdk/sharding.hpp>
 #include <cai/sdk/step.hpp>
 #include <cmath>
 #include <cstdlib>
-#include <deque>
 #include <map>
 #include <optional>
 #include <span>
@@ -266,9 +267,7 @@ class Fsdp {
   ~Fsdp() {
     // Collectives still in flight write into our buffers: finish them before those go.
     for (Unit& u : units_) u.prefetch = cai::sdk::Work();
-    for (uint64_t id : hook_ids_) Host().status_destroy(Host().model->remove_hook(model_, id));
-    Host().comm->destroy_group(shard_group_);
-    Host().comm->destroy_group(replica_group_);
+    reducer_.Discard();
   }
 
   void Boost(const cai_boost_args& args) {
@@ -286,7 +285,8 @@ class Fsdp {
                       "\" needs host ABI 1.2 (set_buffer_dtype); this host's model service is "
                       "older. Upgrade cai, or set buffer_dtype = \"model\"");
     }
-    MakeGroups();
+    groups_ = cai::sdk::ShardGroups(rank_, world_, shards_);
+    reducer_ = cai::sdk::ShardReducer(&groups_, reduces_in_flight_, &overlap_);
     PlanUnits();
 
     const cai_mem_tier state_tier = offload_ ? CAI_MEM_HOST : CAI_MEM_DEVICE;
@@ -313,22 +313,14 @@ class Fsdp {
         Check(model.param_data(model_, m.param, &data));
         RunKernel(CAI_KERNEL_COPY, &data, View(flat, kF32, m.offset, &m.numel));
       }
-      if (sync_module_states_ && world_ > 1) Broadcast(View(flat, kF32, 0, &u.full));
+      if (sync_module_states_ && world_ > 1) cai::sdk::Broadcast(View(flat, kF32, 0, &u.full));
       Check(Host().mempool->copy(static_cast<float*>(params_.data()) + u.base,
                                  static_cast<float*>(flat.data()) + shard_index_ * u.shard,
                                  Bytes(u.shard, kF32), nullptr));
     }
-    if (sync_module_states_ && world_ > 1) {
-      for (uint32_t i : frozen_) {
-        cai_tensor data{};
-        Check(model.param_data(model_, i, &data));
-        Broadcast(data);
-      }
-      for (uint32_t b = 0; b < model.num_buffers(model_); ++b) {
-        cai_tensor data{};
-        Check(model.buffer_data(model_, b, &data));
-        Broadcast(data);
-      }
+    if (sync_module_states_) {
+      cai::sdk::BroadcastParams(model_, frozen_);
+      cai::sdk::BroadcastBuffers(model_);
     }
     // The model casts its (still whole) parameters to the compute dtype; ours are then views
     // of the compute copy (NO_SHARD) or released until their unit is gathered.
@@ -351,19 +343,7 @@ class Fsdp {
     if (args.precision == CAI_PRECISION_FP16) epilogue_->EnableLossScaling(scaler_config_);
     used_.assign(num_members_, 0);
 
-    const cai_hook_kind kinds[] = {CAI_HOOK_PRE_FORWARD, CAI_HOOK_POST_FORWARD,
-                                   CAI_HOOK_PRE_BACKWARD, CAI_HOOK_POST_BACKWARD,
-                                   CAI_HOOK_GRAD_READY};
-    for (cai_hook_kind kind : kinds) {
-      cai_hook_args hook{};
-      hook.struct_size = CAI_HOOK_ARGS_STRUCT_SIZE;
-      hook.kind = kind;
-      hook.unit = -1;
-      hook.param = -1;
-      hook.fn = &Fsdp::OnUnitHook;
-      hook.user_data = this;
-      Check(model.register_hook(model_, &hook, &hook_ids_.emplace_back()));
-    }
+    hooks_ = cai::sdk::UnitHooks(model_, &Fsdp::OnUnitHook, this);
 
     std::ostringstream layout;
     layout << "fsdp: " << strategy_name_ << ", " << Name(compute_) << " compute, " << Name(reduce_)
@@ -392,7 +372,7 @@ class Fsdp {
       if (!no_sync_ && u.grads.get()) ReduceGrads(u);
       ReleaseParams(u);
     }
-    FinishReduces();
+    reducer_.Finish();
   }
 
   void Evaluate(const cai_micro_batch& batch) {
@@ -411,7 +391,7 @@ class Fsdp {
     for (Unit& u : units_) {
       if (u.grads.get()) ReduceGrads(u);
     }
-    FinishReduces();
+    reducer_.Finish();
     // Σ g² of the gradient shards (replica 0's only: the other replicas hold copies), fp16
     // overflow, and per member whether it got a gradient here: agreed over the world.
     cai::sdk::StepSums sums;
@@ -449,8 +429,7 @@ class Fsdp {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "fsdp: zero_grad before boost");
     // Gradients accumulated under no_sync and never stepped are dropped as asked, and so are
     // the reductions a failed micro-batch left behind.
-    reduces_.clear();
-    overlap_.Discard();
+    reducer_.Discard();
     for (Unit& u : units_) {
       if (!u.grads.get()) continue;
       for (const Member& m : u.members) Check(Host().model->release_grad(model_, m.param));
@@ -573,24 +552,11 @@ class Fsdp {
     cai::sdk::Work prefetch;  // an all-gather into `gathered` not yet waited for
   };
 
-  // A unit's gradient on its way into the shard (ReduceGrads, FinishReduce).
-  struct PendingReduce {
-    const Unit* unit;
-    Buffer wire;  // G·s_u reduce-dtype gradient, read until `work` completes
-    Buffer part;  // s_u reduce-dtype result of the reduce-scatter
-    // The reduce-scatter of `wire` into `part` (none with one shard). Declared after the
-    // buffers, so that it is destroyed (waiting for the operation) before they are freed.
-    cai::sdk::Work work;
-  };
-
   static const char* Name(cai_dtype d) {
     return SameDtype(d, kF32) ? "fp32" : SameDtype(d, kBF16) ? "bf16" : "fp16";
   }
   cai_param_info ParamInfo(uint32_t index) const { return cai::sdk::ParamInfo(model_, index); }
   std::string ParamName(uint32_t index) const { return ParamInfo(index).name; }
-  static void Broadcast(const cai_tensor& t) {
-    RunCollective(CAI_COMM_BROADCAST, nullptr, t, false);
-  }
   uint64_t FrozenBytes() const {
     uint64_t bytes = 0;
     for (uint32_t i : frozen_) {
@@ -602,29 +568,6 @@ class Fsdp {
   uint64_t ShardParamBytes() const {
     return params_.size() + (compute_shard_.get() ? compute_shard_.size() : 0);
   }
-
-  // Shard groups of G consecutive ranks; replica groups of the ranks with the same shard
-  // index. Every rank creates every group (new_group is collective), in one order.
-  void MakeGroups() {
-    if (shards_ == world_ || shards_ == 1) return;  // the world is the one group that counts
-    for (int32_t r = 0; r < replicas_; ++r) {
-      std::vector<int32_t> ranks;
-      for (int32_t i = 0; i < shards_; ++i) ranks.push_back(r * shards_ + i);
-      cai_comm_group* g = nullptr;
-      Check(Host().comm->new_group(ranks.data(), ranks.size(), &g));
-      if (g) shard_group_ = g;
-    }
-    for (int32_t i = 0; i < shards_; ++i) {
-      std::vector<int32_t> ranks;
-      for (int32_t r = 0; r < replicas_; ++r) ranks.push_back(r * shards_ + i);
-      cai_comm_group* g = nullptr;
-      Check(Host().comm->new_group(ranks.data(), ranks.size(), &g));
-      if (g) replica_group_ = g;
-    }
-  }
-  // NULL: the world.
-  cai_comm_group* ShardGroup() const { return shards_ == world_ ? nullptr : shard_group_; }
-  cai_comm_group* ReplicaGroup() const { return replicas_ == world_ ? nullptr : replica_group_; }
 
   // Which unit every trainable parameter joins, the units' order and their shard layout.
   void PlanUnits() {
@@ -767,7 +710,7 @@ class Fsdp {
       RunKernel(CAI_KERNEL_COPY, &in, out);
       return {};
     }
-    return RunCollective(CAI_COMM_ALL_GATHER, &in, out, async, CAI_REDUCE_SUM, ShardGroup());
+    return RunCollective(CAI_COMM_ALL_GATHER, &in, out, async, CAI_REDUCE_SUM, groups_.shard());
   }
 
   void Gather(Unit& u) {
@@ -808,55 +751,23 @@ class Fsdp {
   // Sums the unit's gradient over all ranks into this rank's fp32 gradient shard: a
   // reduce-scatter over the shard group, an all-reduce of the result over the replicas. With
   // async_reduce_scatter the reduce-scatter runs while backward goes on to the next units (as
-  // PyTorch FSDP's runs on its own stream) and FinishReduce completes it when the next one
-  // starts: one unit's full-size gradient stays alive meanwhile.
+  // PyTorch FSDP's runs on its own stream) and completes when the next one starts: one unit's
+  // full-size gradient stays alive meanwhile.
   void ReduceGrads(Unit& u) {
     for (const Member& m : u.members) Check(Host().model->release_grad(model_, m.param));
-    PendingReduce r{&u, std::move(u.grads), Buffer(), cai::sdk::Work()};
+    Buffer wire = std::move(u.grads);
     if (!SameDtype(reduce_, compute_)) {
       Buffer converted = Alloc(CAI_MEM_DEVICE, u.full, reduce_, "fsdp.grad");
-      const cai_tensor from = View(r.wire, compute_, 0, &u.full);
+      const cai_tensor from = View(wire, compute_, 0, &u.full);
       RunKernel(CAI_KERNEL_COPY, &from, View(converted, reduce_, 0, &u.full));
-      r.wire = std::move(converted);
+      wire = std::move(converted);
     }
-    if (shards_ > 1) {
-      r.part = Alloc(CAI_MEM_DEVICE, u.shard, reduce_, "fsdp.reduce_scatter");
-      const cai_tensor full = View(r.wire, reduce_, 0, &u.full);
-      overlap_.Launched();
-      r.work = RunCollective(CAI_COMM_REDUCE_SCATTER, &full, View(r.part, reduce_, 0, &u.shard),
-                             /*async=*/true, CAI_REDUCE_SUM, ShardGroup());
-    }
-    reduces_.push_back(std::move(r));
-    while (reduces_.size() > reduces_in_flight_) FinishReduce();
-  }
-
-  // Completes the oldest reduction: its replica all-reduce and the sum into the shard.
-  void FinishReduce() {
-    PendingReduce r = std::move(reduces_.front());
-    reduces_.pop_front();
-    const Unit& u = *r.unit;
-    overlap_.Wait([&] { r.work.Wait(); });
-    Buffer& wire = shards_ > 1 ? r.part : r.wire;
-    const cai_tensor mine = View(wire, reduce_, 0, &u.shard);
-    if (replicas_ > 1) {
-      overlap_.Wait([&] {
-        RunCollective(CAI_COMM_ALL_REDUCE, nullptr, mine, false, CAI_REDUCE_SUM, ReplicaGroup());
-      });
-    }
-    const cai_tensor shard = View(grads_, kF32, u.base, &u.shard);
-    if (offload_) {
-      Buffer host = Alloc(CAI_MEM_HOST, u.shard, reduce_, "fsdp.offload_grad");
-      Check(Host().mempool->copy(host.data(), wire.data(), host.size(), nullptr));
-      const cai_tensor landed = View(host, reduce_, 0, &u.shard);
-      RunKernel(CAI_KERNEL_AXPY, &landed, shard, 1.0);
-    } else {
-      RunKernel(CAI_KERNEL_AXPY, &mine, shard, 1.0);
-    }
-  }
-
-  void FinishReduces() {
-    while (!reduces_.empty()) FinishReduce();
-    overlap_.Completed();
+    const Unit* unit = &u;
+    reducer_.Reduce(std::move(wire), u.shard, reduce_,
+                    [this, unit](const cai_tensor& summed, const Buffer& on) {
+                      cai::sdk::AddToShard(summed, on, View(grads_, kF32, unit->base, &unit->shard),
+                                           offload_ ? CAI_MEM_HOST : CAI_MEM_DEVICE);
+                    });
   }
 
   static cai_status* OnUnitHook(void* self, const cai_hook_event* event) {
@@ -926,7 +837,7 @@ class Fsdp {
       Buffer full = Alloc(CAI_MEM_DEVICE, u.full, kF32, "fsdp.checkpoint");
       const cai_tensor out = View(full, kF32, 0, &u.full);
       if (shards_ > 1) {
-        RunCollective(CAI_COMM_ALL_GATHER, &in, out, false, CAI_REDUCE_SUM, ShardGroup());
+        RunCollective(CAI_COMM_ALL_GATHER, &in, out, false, CAI_REDUCE_SUM, groups_.shard());
       } else {
         RunKernel(CAI_KERNEL_COPY, &in, out);
       }
@@ -1074,13 +985,12 @@ class Fsdp {
   cai_dtype reduce_ = kF32;   // gradients on the wire
   cai_device device_{CAI_DEVICE_CPU, 0};
   cai_device state_device_{CAI_DEVICE_CPU, 0};  // where the shards live (host under offload)
-  std::vector<uint64_t> hook_ids_;
+  cai::sdk::UnitHooks hooks_;
   int32_t shards_ = 1;    // G: ranks a unit is sharded over
   int32_t replicas_ = 1;  // R = N / G
   int32_t shard_index_ = 0;
   int32_t replica_index_ = 0;
-  cai_comm_group* shard_group_ = nullptr;
-  cai_comm_group* replica_group_ = nullptr;
+  cai::sdk::ShardGroups groups_;
 
   std::vector<Unit> units_;                  // [0] is the root, then in forward order
   std::vector<int32_t> unit_of_model_unit_;  // model unit -> index in units_, -1 = none
@@ -1100,9 +1010,9 @@ class Fsdp {
   bool backward_ = false;     // the current model call back-propagates
   bool in_backward_ = false;  // its backward has begun
   bool no_sync_ = false;
-  std::deque<PendingReduce> reduces_;  // oldest first, in the order every rank issued them
-  size_t reduces_in_flight_ = 1;       // left pending when ReduceGrads returns
-  cai::sdk::OverlapMeter overlap_;     // of the reductions (stats.overlap_ratio)
+  size_t reduces_in_flight_ = 1;    // left pending when ReduceGrads returns
+  cai::sdk::OverlapMeter overlap_;  // of the reductions (stats.overlap_ratio)
+  cai::sdk::ShardReducer reducer_;  // after overlap_ and groups_, which it points at
   std::vector<uint8_t> used_;    // trainable parameter got a gradient on this rank since zero_grad
   uint64_t gathered_bytes_ = 0;  // gathered units alive now
   uint64_t forward_param_peak_ = 0;

@@ -226,13 +226,22 @@ constexpr std::array<cai_config_key, 7> LossScalerKeys(const char* initial_scale
 class Buffer {
  public:
   Buffer() = default;
-  static Buffer Alloc(cai_mem_tier tier, size_t bytes, const char* tag, bool zero_fill = false) {
+  // `flags`: CAI_MEM_ALLOC_* bits (ABI 1.3; a host older than that refuses them).
+  static Buffer Alloc(cai_mem_tier tier, size_t bytes, const char* tag, bool zero_fill = false,
+                      uint64_t flags = 0) {
+    if (flags != 0 && !CAI_HAS_FIELD(Host().mempool, cai_mem_api, transfer)) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  std::string(tag ? tag : "buffer") +
+                      ": allocation flags (unmapped NVMe buffers) need host ABI 1.3; this "
+                      "host's memory pool is older. Upgrade cai");
+    }
     cai_mem_alloc_args args{};
     args.struct_size = CAI_MEM_ALLOC_ARGS_STRUCT_SIZE;
     args.tier = tier;
     args.bytes = bytes;
     args.tag = tag;
     args.zero_fill = zero_fill;
+    args.flags = flags;
     Buffer b;
     Check(Host().mempool->alloc(&args, &b.buffer_));
     return b;
@@ -251,6 +260,50 @@ class Buffer {
 
  private:
   cai_buffer* buffer_ = nullptr;
+};
+
+// Bytes moving between a buffer's range and addressable memory (cai_mem_api.transfer, ABI
+// 1.3): the only way into an unmapped NVMe buffer. Started asynchronously it runs on the
+// host's copy thread, in submission order; Wait (or the destructor, which drops its error)
+// completes it, and until then neither the range nor the memory may be touched.
+class Transfer {
+ public:
+  Transfer() = default;
+  static Transfer Start(const Buffer& buffer, size_t offset, void* memory, size_t bytes,
+                        cai_mem_direction direction, bool async) {
+    if (!CAI_HAS_FIELD(Host().mempool, cai_mem_api, transfer)) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "transfers between memory tiers need host ABI 1.3; this host's memory pool "
+                  "is older. Upgrade cai");
+    }
+    cai_mem_transfer_args args{};
+    args.struct_size = CAI_MEM_TRANSFER_ARGS_STRUCT_SIZE;
+    args.buffer = buffer.get();
+    args.offset = offset;
+    args.memory = memory;
+    args.bytes = bytes;
+    args.direction = direction;
+    args.async = async;
+    Transfer t;
+    Check(Host().mempool->transfer(&args, async ? &t.transfer_ : nullptr));
+    return t;
+  }
+  Transfer(Transfer&& other) noexcept : transfer_(std::exchange(other.transfer_, nullptr)) {}
+  Transfer& operator=(Transfer&& other) noexcept {
+    std::swap(transfer_, other.transfer_);
+    return *this;
+  }
+  Transfer(const Transfer&) = delete;
+  Transfer& operator=(const Transfer&) = delete;
+  ~Transfer() {
+    if (transfer_) Host().status_destroy(Host().mempool->wait_transfer(transfer_));
+  }
+  void Wait() {
+    if (transfer_) Check(Host().mempool->wait_transfer(std::exchange(transfer_, nullptr)));
+  }
+
+ private:
+  cai_mem_transfer* transfer_ = nullptr;
 };
 
 // A collective in flight; released (after waiting) through the communicator.

@@ -177,24 +177,32 @@ class FlatOptimizer {
   // Applies the optimizer step `step` (1-based) of the piece's group, with the gradient
   // multiplied by `grad_scale` first (1/loss_scale times the clip coefficient).
   void Update(const Piece& p, int64_t step, double grad_scale) const {
+    float* states[4] = {};  // cai_optim_update_args.state's size
+    for (uint32_t k = 0; k < StateSlots(optimizer_, p.group); ++k) {
+      states[k] = static_cast<float*>(state_[k].data()) + p.offset;
+    }
+    Update(optimizer_, device_, p, states, step, grad_scale);
+  }
+  // The same with the piece's state slots at `states[k]` (p.offset unused) on `device`: for
+  // state kept elsewhere and staged for the update (an unmapped NVMe buffer's).
+  static void Update(cai_optimizer* optimizer, cai_device device, const Piece& p,
+                     float* const* states, int64_t step, double grad_scale) {
     if (p.count == 0) return;
     cai_optim_update_args u{};
     u.struct_size = CAI_OPTIM_UPDATE_ARGS_STRUCT_SIZE;
-    u.optimizer = optimizer_;
+    u.optimizer = optimizer;
     u.group = p.group;
     u.param = p.param;
     u.grad = p.grad;
     u.grad_dtype = p.grad_dtype;
-    for (uint32_t k = 0; k < StateSlots(optimizer_, p.group); ++k) {
-      u.state[k] = static_cast<float*>(state_[k].data()) + p.offset;
-    }
+    for (uint32_t k = 0; k < StateSlots(optimizer, p.group); ++k) u.state[k] = states[k];
     u.param_lowp = p.lowp;
     u.param_lowp_dtype = p.lowp_dtype;
     u.numel = p.count;
     u.step = step;
-    u.lr = Host().optimizer->lr_at(optimizer_, p.group, step);
+    u.lr = Host().optimizer->lr_at(optimizer, p.group, step);
     u.grad_scale = grad_scale;
-    u.device = device_;
+    u.device = device;
     Check(Host().optimizer->update(&u));
   }
 

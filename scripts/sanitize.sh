@@ -23,7 +23,7 @@ skip=(
   'Train\.DefaultJob_LearnsBelowStatedLoss' 'Shards/KillInSave\..*' 'Style_.*'
   'Sdk_ExamplePlugin_BuildsOutOfTree.*'
   'Savers/ResumeMatrix\..*'
-  'Sdk_Conformance_(Ddp|Fsdp|LowLevelZero|LocalSgd|HybridParallel)_.*'
+  'Sdk_Conformance_(Ddp|Fsdp|Gemini|LowLevelZero|LocalSgd|HybridParallel)_.*'
   'Conformance\.GradientsAveragedOverRanks_FailTheTwoRankSgdCheck'
   'MultiNode\..*'
   '.*PlainSgd.*'
@@ -31,6 +31,7 @@ skip=(
   'FsdpParity\.(SaveFullOnTwoRanksResumeOnThree|SaveShardedOnThreeRanksResumeOnTwo|TwoAndThreeRanks_BufferDtype).*'
   'DdpParity\.Ddp_TwoRanks_AllReduceBytesEqualGradientBytes'
   'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama).*'
+  'GeminiParity\.(TwoRanks_ChunkSearch|FourRanks_ExtraDataParallel).*'
 )
 # usage: scripts/sanitize.sh [ctest arguments...]
 set -euo pipefail

@@ -1,0 +1,1182 @@
+// libcai_gemini: chunk-based ZeRO-3 across device, host and NVMe memory, as ColossalAI's
+// GeminiPlugin (Fang et al., "PatrickStar", 2021): parameters, gradients and optimizer state
+// live in fixed-size chunks, each chunk sharded over the ranks and placed on a memory tier.
+//
+// Chunks. Trainable parameters, in registration order, are packed into chunks of capacity C
+// elements (a multiple of the shard group G): a parameter never straddles two chunks, one
+// larger than C gets a chunk of its own (rounded up to G), and the parameters outside the
+// transformer blocks (embeddings, final norm, head: the "root" ones, which the tied head reads
+// outside any unit) get chunks of their own, gathered for the whole micro-batch as PyTorch
+// FSDP's root. C is chunk_size, or searched (ColossalAI's search_chunk_configuration): every
+// size from min_chunk_size_m·2^20 to that + search_range_m·2^20 in steps of hidden_dim
+// (1024 when 0), the least padding wins, the smallest among equals; never more than Ψ rounded
+// up to G. Rank r of the shard group owns elements [r·C/G, (r+1)·C/G) of every chunk.
+//
+// Placement (placement_policy = "static", ColossalAI's StaticPlacementPolicy), by chunk
+// capacity in chunk order, a fraction f taking the first chunks until f of the capacity is
+// reached:
+//  shard_param_frac    the first chunks are sharded (ZeRO-3: gathered around use, released
+//                      after); the others stay gathered on every rank (their gradients are
+//                      still reduce-scattered and their optimizer state sharded, as ZeRO-2),
+//                      re-gathered once after each step.
+//  offload_optim_frac  the first chunks keep their fp32 master shard, gradient shard and
+//                      optimizer state in host memory (pinned with pin_memory); the host's
+//                      fused update runs there (HybridAdam's split), and the compute copy of
+//                      the shard goes to the device after each step.
+//  offload_param_frac  the first chunks keep even the compute copy of their shard in host
+//                      memory, copied to the device for each all-gather. Needs
+//                      shard_param_frac = 1 and offload_optim_frac = 1 (ColossalAI's rule;
+//                      ColossalAI warns and ignores it, this plugin refuses).
+//  nvme_offload_fraction  of the host-offloaded chunks (the last ones), the optimizer state
+//                      lives in unmapped NVMe buffers under memory.nvme_dir (ColossalAI's
+//                      HybridAdam nvme_offload_fraction, ZeRO-Infinity): each step streams a
+//                      chunk's state in, updates it and writes it back, the next chunk's read
+//                      running behind the update on the pool's copy thread.
+//
+// One micro-batch: root chunks gathered and their gradient buffers zeroed; at a unit's
+// PRE_FORWARD its sharded chunks are all-gathered (compute dtype) into the parameters'
+// released storage, and released at the POST_FORWARD of the last unit they hold parameters of;
+// PRE_BACKWARD gathers them again with a zeroed gradient buffer the .grad are views of, and
+// the POST_BACKWARD of the first unit they serve reduce-scatters the chunk's gradient (SUM,
+// compute dtype), all-reduces the result over the extra_dp_size replicas and adds it into the
+// fp32 gradient shard. With enable_async_reduce one chunk's reduce-scatter runs while backward
+// goes on. With max_prefetch > 0 the first micro-batch records the order chunks are gathered
+// in (forward, recomputation and backward); later ones start the all-gathers of the next
+// max_prefetch chunks of that order as each is gathered, so they run behind compute.
+//
+// Gradient accumulation needs nothing special: each micro-batch's gradients are reduced into
+// the fp32 gradient shards, which accumulate until the step (enable_gradient_accumulation is
+// accepted for ColossalAI's sake and changes nothing). A parameter without a gradient in a
+// micro-batch (unused) is fine: its chunk is reduced with zeros, and a parameter no rank gave
+// a gradient since zero_grad is not updated (torch.optim's rule), where ColossalAI raises.
+//
+// step: as fsdp's: one SUM all-reduce of [Σ g² of the gradient shards (replica 0 only), fp16
+// overflow, per-parameter used flags], the loss scaler, the clip coefficient (max_norm, else
+// optimizer.max_grad_norm), the fused update of every chunk on the tier holding its state,
+// the compute copies refreshed, the kept chunks re-gathered.
+//
+// Checkpoints: the canonical layout (docs/checkpoint-layout.md), streamed one chunk at a
+// time: a chunk's fp32 shards are all-gathered and rank 0 writes its parameters, so no rank
+// ever holds more than one chunk of the model. Load reads only this rank's slice of every
+// tensor, so any world size, chunk size or strategy's canonical checkpoint loads.
+#include <algorithm>
+#include <array>
+#include <cai/sdk.hpp>
+#include <cai/sdk/collectives.hpp>
+#include <cai/sdk/flat.hpp>
+#include <cai/sdk/overlap.hpp>
+#include <cai/sdk/sharding.hpp>
+#include <cai/sdk/step.hpp>
+#include <cmath>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using cai::sdk::Buffer;
+using cai::sdk::Check;
+using cai::sdk::Error;
+using cai::sdk::FlatView;
+using cai::sdk::Host;
+using cai::sdk::RunCollective;
+using cai::sdk::RunKernel;
+using cai::sdk::SameDtype;
+
+constexpr cai_dtype kF32{CAI_DTYPE_FLOAT, 32, 1};
+constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
+constexpr double kMega = 1024.0 * 1024.0;  // ColossalAI's "_m" unit: 2^20 elements
+
+const char* const kPlacementPolicies[] = {"static", "auto", nullptr};
+
+size_t Bytes(int64_t numel, cai_dtype dtype) {
+  return static_cast<size_t>(numel) * cai::sdk::ElementSize(dtype);
+}
+
+Buffer Alloc(cai_mem_tier tier, int64_t numel, cai_dtype dtype, const char* tag) {
+  return Buffer::Alloc(tier, std::max<size_t>(Bytes(numel, dtype), 1), tag, /*zero_fill=*/true);
+}
+
+cai_tensor View(const Buffer& base, cai_dtype dtype, int64_t offset, const int64_t* numel) {
+  return FlatView(base, dtype, static_cast<size_t>(offset), const_cast<int64_t*>(numel));
+}
+
+int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Chunk capacities for parameters of `sizes` (in order; `root[i]` marks the ones that must not
+// share a chunk with the others) at capacity `c`, and the padding that costs.
+struct Packing {
+  std::vector<int64_t> chunk_of;  // per parameter
+  std::vector<int64_t> capacity;  // per chunk
+  int64_t waste = 0;
+};
+Packing Pack(const std::vector<int64_t>& sizes, const std::vector<bool>& root, int64_t c,
+             int64_t g) {
+  Packing p;
+  int64_t used = 0;
+  bool open_root = false;
+  bool open = false;
+  auto close = [&] {
+    if (open) p.waste += p.capacity.back() - used;
+    open = false;
+  };
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] > c) {  // a chunk of its own
+      close();
+      p.capacity.push_back(RoundUp(sizes[i], g));
+      p.waste += p.capacity.back() - sizes[i];
+      p.chunk_of.push_back(static_cast<int64_t>(p.capacity.size()) - 1);
+      continue;
+    }
+    if (!open || open_root != root[i] || used + sizes[i] > c) {
+      close();
+      p.capacity.push_back(c);
+      used = 0;
+      open = true;
+      open_root = root[i];
+    }
+    p.chunk_of.push_back(static_cast<int64_t>(p.capacity.size()) - 1);
+    used += sizes[i];
+  }
+  close();
+  return p;
+}
+
+class Gemini {
+ public:
+  static constexpr const char* kName = "gemini";
+  static constexpr const char* kVersion = "0.1.0";
+  static constexpr uint64_t kCapabilities = CAI_CAP_PRECISION_FP32 | CAI_CAP_PRECISION_BF16 |
+                                            CAI_CAP_PRECISION_FP16 | CAI_CAP_CPU_OFFLOAD;
+
+  static std::span<const cai_config_key> ConfigKeys() {
+    using cai::sdk::BoolKey;
+    using cai::sdk::FloatKey;
+    using cai::sdk::IntKey;
+    using cai::sdk::StringKey;
+    static constexpr auto kKeys = cai::sdk::JoinKeys(
+        std::array{
+            IntKey("chunk_size", "0",
+                   "Chunk capacity in elements (ColossalAI's chunk_config_dict chunk_size), "
+                   "rounded up to a multiple of the shard group; 0 = searched (the keys "
+                   "below).",
+                   0, 0, CAI_CONFIG_HAS_MIN),
+            FloatKey("search_range_m", "32.0",
+                     "Chunk search: sizes from min_chunk_size_m to min_chunk_size_m + "
+                     "search_range_m, in 2^20 elements; the least padding wins.",
+                     0, 0, CAI_CONFIG_HAS_MIN),
+            FloatKey("min_chunk_size_m", "32.0",
+                     "Chunk search: the smallest capacity tried, in 2^20 elements (never above "
+                     "the model's trainable elements).",
+                     0, 0, CAI_CONFIG_HAS_MIN),
+            IntKey("hidden_dim", "0",
+                   "Chunk search: step between the sizes tried, in elements (the model's "
+                   "hidden size suits); 0 = 1024.",
+                   0, 0, CAI_CONFIG_HAS_MIN),
+            StringKey("placement_policy", "\"static\"",
+                      "static: chunks placed by shard_param_frac, offload_optim_frac and "
+                      "offload_param_frac. auto (a memory tracer over warm-up steps) is not "
+                      "available yet and is refused.",
+                      kPlacementPolicies),
+            FloatKey("shard_param_frac", "1.0",
+                     "Share of the chunks (by capacity, first chunks first) that are sharded "
+                     "and gathered around use (ZeRO-3); the rest stay gathered on every rank "
+                     "(ZeRO-2 for them).",
+                     0, 1, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
+            FloatKey("offload_optim_frac", "0.0",
+                     "Share of the chunks whose fp32 master, gradient and optimizer state shards "
+                     "live in host memory, updated there.",
+                     0, 1, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
+            FloatKey("offload_param_frac", "0.0",
+                     "Share of the chunks whose compute-dtype parameter shard lives in host "
+                     "memory too, copied to the device for each gather. Needs shard_param_frac "
+                     "= 1 and offload_optim_frac = 1.",
+                     0, 1, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
+            FloatKey("nvme_offload_fraction", "0.0",
+                     "Share of the host-offloaded chunks (the last ones) whose optimizer state "
+                     "lives on NVMe (memory.nvme_dir), out of RAM, streamed through each step. "
+                     "Needs offload_optim_frac > 0.",
+                     0, 1, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
+            IntKey("max_prefetch", "0",
+                   "Chunks whose all-gathers run ahead of use, along the order the first "
+                   "micro-batch recorded; each costs one gathered chunk of memory.",
+                   0, 64, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
+            BoolKey("enable_gradient_accumulation", "false",
+                    "Accepted for ColossalAI's sake: micro-batches' gradients always "
+                    "accumulate in the fp32 gradient shards, so both values train the same."),
+            BoolKey("master_weights", "true",
+                    "fp32 master shards under bf16/fp16. false is refused: the update runs on "
+                    "fp32 masters."),
+            FloatKey("max_norm", "0.0",
+                     "Clip the global gradient norm to this; 0 = optimizer.max_grad_norm.", 0, 0,
+                     CAI_CONFIG_HAS_MIN),
+            BoolKey("pin_memory", "false",
+                    "Offloaded shards in page-locked host memory (faster device copies on a "
+                    "GPU; plain host memory on a CPU build)."),
+            BoolKey("enable_async_reduce", "true",
+                    "Reduce-scatter a chunk's gradient while backward goes on (one chunk's "
+                    "gradient of memory more)."),
+            IntKey("extra_dp_size", "1",
+                   "Replicate the chunks over this many groups of world_size / extra_dp_size "
+                   "ranks (sharded inside a group, gradient shards all-reduced across); must "
+                   "divide the world size.",
+                   1, 0, CAI_CONFIG_HAS_MIN),
+            BoolKey("sync_module_states", "true",
+                    "Broadcast rank 0's parameters and buffers at boost."),
+            BoolKey("verbose", "false", "Log every chunk: its parameters, capacity and tiers."),
+        },
+        cai::sdk::LossScalerKeys("65536.0", "fp16: initial loss scale (2^16, ColossalAI's)."));
+    return kKeys;
+  }
+
+  explicit Gemini(const cai_create_args& args) : rank_(args.rank), world_(args.world_size) {
+    cai::sdk::Config config(args.config);
+    if (config.String("placement_policy") == "auto") {
+      throw Error(CAI_UNIMPLEMENTED,
+                  "gemini: plugin.gemini.placement_policy = \"auto\" (the memory tracer and "
+                  "eviction along the recorded access order) is not implemented yet; use "
+                  "\"static\" with offload_optim_frac / offload_param_frac");
+    }
+    if (!config.Bool("master_weights")) {
+      throw Error(CAI_UNIMPLEMENTED,
+                  "gemini: plugin.gemini.master_weights = false is not supported: the update "
+                  "runs on fp32 master shards; remove the key");
+    }
+    chunk_size_ = config.Int("chunk_size");
+    search_range_ = static_cast<int64_t>(std::llround(config.Float("search_range_m") * kMega));
+    min_chunk_ = static_cast<int64_t>(std::llround(config.Float("min_chunk_size_m") * kMega));
+    interval_ = config.Int("hidden_dim") > 0 ? config.Int("hidden_dim") : 1024;
+    shard_frac_ = config.Float("shard_param_frac");
+    optim_frac_ = config.Float("offload_optim_frac");
+    param_frac_ = config.Float("offload_param_frac");
+    nvme_frac_ = config.Float("nvme_offload_fraction");
+    if (param_frac_ > 0 && (shard_frac_ < 1 || optim_frac_ < 1)) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "gemini: plugin.gemini.offload_param_frac > 0 needs shard_param_frac = 1.0 "
+                  "and offload_optim_frac = 1.0 (a chunk's parameters go to the host only "
+                  "with its optimizer state, and only when sharded); they are " +
+                      std::to_string(shard_frac_) + " and " + std::to_string(optim_frac_));
+    }
+    if (nvme_frac_ > 0 && optim_frac_ <= 0) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "gemini: plugin.gemini.nvme_offload_fraction > 0 needs offload_optim_frac > "
+                  "0: NVMe holds the optimizer state of host-offloaded chunks");
+    }
+    max_prefetch_ = config.Int("max_prefetch");
+    max_norm_ = config.Float("max_norm");
+    pin_ = config.Bool("pin_memory");
+    reduces_in_flight_ = config.Bool("enable_async_reduce") ? 1 : 0;
+    const int64_t extra = config.Int("extra_dp_size");
+    if (world_ % extra != 0) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "gemini: plugin.gemini.extra_dp_size = " + std::to_string(extra) +
+                      " does not divide the world size " + std::to_string(world_) +
+                      "; use a divisor of it");
+    }
+    replicas_ = static_cast<int32_t>(extra);
+    shards_ = world_ / replicas_;
+    shard_index_ = rank_ % shards_;
+    replica_index_ = rank_ / shards_;
+    sync_module_states_ = config.Bool("sync_module_states");
+    verbose_ = config.Bool("verbose");
+    scaler_config_ = cai::sdk::LossScalerConfig(config, kName);
+  }
+
+  ~Gemini() {
+    // Collectives still in flight write into our buffers: finish them before those go.
+    for (Chunk& c : chunks_) c.prefetch = cai::sdk::Work();
+    reducer_.Discard();
+  }
+
+  void Boost(const cai_boost_args& args) {
+    if (model_) throw Error(CAI_FAILED_PRECONDITION, "gemini: boost was already called");
+    model_ = args.model;
+    optimizer_ = args.optimizer;
+    compute_ = cai::sdk::ComputeDtype(args.precision);
+    const bool mixed = !SameDtype(compute_, kF32);
+    const auto& model = *Host().model;
+    groups_ = cai::sdk::ShardGroups(rank_, world_, shards_);
+    reducer_ = cai::sdk::ShardReducer(&groups_, reduces_in_flight_, &overlap_);
+    PlanChunks();
+    PlaceChunks(mixed);
+
+    // Banks: the fp32 shards of the chunks of each placement, end to end.
+    const cai_mem_tier host_tier = pin_ ? CAI_MEM_PINNED_HOST : CAI_MEM_HOST;
+    const cai_mem_tier bank_tiers[kBanks] = {CAI_MEM_DEVICE, host_tier, host_tier};
+    const char* const bank_tags[kBanks] = {"gemini.device", "gemini.host", "gemini.host"};
+    for (int b = 0; b < kBanks; ++b) {
+      Bank& bank = banks_[b];
+      bank.tier = bank_tiers[b];
+      bank.master = Alloc(bank.tier, bank.numel, kF32, bank_tags[b]);
+      bank.grads = Alloc(bank.tier, bank.numel, kF32, bank_tags[b]);
+      bank.device = View(bank.master, kF32, 0, &bank.numel).device;
+      if (b != kNvme) {
+        bank.optim = cai::sdk::FlatOptimizer(optimizer_, static_cast<size_t>(bank.numel), bank.tier,
+                                             bank_tags[b]);
+      } else if (bank.numel > 0) {
+        for (uint32_t k = 0; k < cai::sdk::MaxStateSlots(optimizer_); ++k) {
+          bank.nvme.push_back(Buffer::Alloc(CAI_MEM_NVME, Bytes(bank.numel, kF32), "gemini.nvme",
+                                            /*zero_fill=*/false, CAI_MEM_ALLOC_UNMAPPED));
+        }
+      }
+    }
+    for (int k = 0; k < 2; ++k) {
+      compute_bufs_[k] = Alloc(k == 0 ? CAI_MEM_DEVICE : host_tier, compute_numel_[k], compute_,
+                               "gemini.param_compute");
+    }
+
+    // Each chunk in turn: its fp32 values assembled (from rank 0 with sync_module_states) and
+    // this rank's shard kept.
+    for (Chunk& c : chunks_) {
+      Buffer flat = Alloc(CAI_MEM_DEVICE, c.capacity, kF32, "gemini.init");
+      for (const Member& m : c.members) {
+        cai_tensor data{};
+        Check(model.param_data(model_, m.param, &data));
+        RunKernel(CAI_KERNEL_COPY, &data, View(flat, kF32, m.offset, &m.numel));
+      }
+      if (sync_module_states_ && world_ > 1) cai::sdk::Broadcast(View(flat, kF32, 0, &c.capacity));
+      Check(Host().mempool->copy(MasterPtr(c), static_cast<float*>(flat.data()) + Lo(c),
+                                 Bytes(c.shard, kF32), nullptr));
+    }
+    if (sync_module_states_) {
+      cai::sdk::BroadcastParams(model_, frozen_);
+      cai::sdk::BroadcastBuffers(model_);
+    }
+    if (mixed) Check(model.set_compute_dtype(model_, compute_));
+    for (Chunk& c : chunks_) {
+      RefreshCompute(c);
+      c.released = false;
+      ReleaseParams(c, /*force=*/true);
+    }
+    for (Chunk& c : chunks_) {
+      if (c.kept) Gather(c);
+    }
+    epilogue_.emplace(optimizer_, max_norm_);
+    if (args.precision == CAI_PRECISION_FP16) epilogue_->EnableLossScaling(scaler_config_);
+    used_.assign(num_members_, 0);
+
+    hooks_ = cai::sdk::UnitHooks(model_, &Gemini::OnUnitHook, this);
+    LogLayout();
+    traffic_ = Traffic();  // per step from here on
+  }
+
+  void ForwardBackward(const cai_micro_batch& batch) {
+    if (!model_) throw Error(CAI_FAILED_PRECONDITION, "gemini: forward_backward before boost");
+    in_backward_ = false;
+    backward_ = true;
+    BeginOrder();
+    for (Chunk& c : chunks_) {
+      if (c.root) {
+        Gather(c);
+        BeginGrads(c);
+      }
+    }
+    cai_status* status = cai::sdk::Guard(
+        [&] { cai::sdk::RunMicroBatch(model_, batch, true, epilogue_->loss_scale()); });
+    Check(status);
+    // Chunks whose backward never ended (no gradient reached them), then the root's, in chunk
+    // order, which every rank shares.
+    for (Chunk& c : chunks_) {
+      if (c.grads.get()) ReduceGrads(c);
+      ReleaseParams(c);
+    }
+    reducer_.Finish();
+    if (recording_) {
+      recording_ = false;
+      recorded_ = true;
+    }
+  }
+
+  void Evaluate(const cai_micro_batch& batch) {
+    if (!model_) throw Error(CAI_FAILED_PRECONDITION, "gemini: evaluate before boost");
+    in_backward_ = false;
+    backward_ = false;
+    following_ = false;
+    for (Chunk& c : chunks_) {
+      if (c.root) Gather(c);
+    }
+    cai_status* status = cai::sdk::Guard([&] { cai::sdk::RunMicroBatch(model_, batch, false); });
+    for (Chunk& c : chunks_) ReleaseParams(c);
+    Check(status);
+  }
+
+  void Step(cai_step_result& result) {
+    if (!model_) throw Error(CAI_FAILED_PRECONDITION, "gemini: step before boost");
+    for (Chunk& c : chunks_) {
+      if (c.grads.get()) ReduceGrads(c);
+    }
+    reducer_.Finish();
+    cai::sdk::StepSums sums;
+    for (Bank& bank : banks_) {
+      const cai_tensor grads = View(bank.grads, kF32, 0, &bank.numel);
+      double sq = 0;
+      if (replica_index_ == 0) RunKernel(CAI_KERNEL_SUM_SQUARES, nullptr, grads, 0, &sq);
+      sums.sum_squares += sq;
+      if (epilogue_->loss_scaling()) {
+        double finite = 0;
+        RunKernel(CAI_KERNEL_ALL_FINITE, nullptr, grads, 0, &finite);
+        sums.overflow = sums.overflow || finite != 1.0;
+      }
+    }
+    sums.used.assign(used_.begin(), used_.end());
+    const cai::sdk::StepDecision d = epilogue_->Decide(sums, result);
+    if (d.skipped) return;
+    std::vector<const Chunk*> nvme;
+    for (const Chunk& c : chunks_) {
+      if (c.bank == kNvme) {
+        nvme.push_back(&c);
+        continue;
+      }
+      ForEachPiece(c, sums.used, [&](cai::sdk::FlatOptimizer::Piece& piece) {
+        banks_[c.bank].optim.Update(piece, d.step, d.grad_scale);
+      });
+    }
+    UpdateNvmeChunks(nvme, sums.used, d);
+    for (Chunk& c : chunks_) RefreshCompute(c);
+    for (Chunk& c : chunks_) {
+      if (c.kept) {
+        c.released = true;
+        Gather(c);
+      }
+    }
+  }
+
+  void ZeroGrad() {
+    if (!model_) throw Error(CAI_FAILED_PRECONDITION, "gemini: zero_grad before boost");
+    reducer_.Discard();
+    for (Chunk& c : chunks_) {
+      if (!c.grads.get()) continue;
+      for (const Member& m : c.members) Check(Host().model->release_grad(model_, m.param));
+      c.grads = Buffer();
+    }
+    for (Bank& bank : banks_) {
+      RunKernel(CAI_KERNEL_FILL, nullptr, View(bank.grads, kF32, 0, &bank.numel));
+    }
+    std::fill(used_.begin(), used_.end(), 0);
+  }
+
+  void Save(const cai_checkpoint_args& args) {
+    if (replica_index_ == 0) {
+      for (const Chunk& c : chunks_) {
+        if (args.model) SaveChunk(args, c, -1);
+        for (size_t k = 0; args.optimizer && k < NumSlots(); ++k) {
+          SaveChunk(args, c, static_cast<int>(k));
+        }
+      }
+    }
+    if (rank_ == 0 && args.model) {
+      for (uint32_t i : frozen_) {
+        cai_tensor data{};
+        Check(Host().model->param_data(model_, i, &data));
+        cai::sdk::WriteAsFp32(args.checkpoint, "model/" + ParamName(i), data);
+      }
+    }
+    if (rank_ == 0 && args.optimizer) epilogue_->Save(args.checkpoint, kName);
+  }
+
+  void Load(const cai_checkpoint_args& args) {
+    for (Chunk& c : chunks_) {
+      if (args.model) LoadChunk(args, c, -1);
+      for (size_t k = 0; args.optimizer && k < NumSlots(); ++k) {
+        LoadChunk(args, c, static_cast<int>(k));
+      }
+    }
+    if (args.model) {
+      for (uint32_t i : frozen_) {
+        cai_tensor data{};
+        Check(Host().model->param_data(model_, i, &data));
+        Check(Host().checkpoint->read_tensor(args.checkpoint, ("model/" + ParamName(i)).c_str(), 0,
+                                             0, &data));
+      }
+      for (Chunk& c : chunks_) RefreshCompute(c);
+      for (Chunk& c : chunks_) {
+        if (c.kept) {
+          c.released = true;
+          Gather(c);
+        }
+      }
+    }
+    if (args.optimizer) epilogue_->Load(args.checkpoint, kName);
+  }
+
+  void Stats(cai_strategy_stats& stats) {
+    const bool mixed = !SameDtype(compute_, kF32);
+    uint64_t master = 0, grads = 0, state = 0;
+    for (const Bank& bank : banks_) {
+      master += bank.master.size();
+      grads += bank.grads.size();
+      state += bank.optim.bytes();
+      for (const Buffer& b : bank.nvme) state += b.size();
+    }
+    const uint64_t compute = compute_bufs_[0].size() + compute_bufs_[1].size();
+    stats.param_bytes = (mixed ? compute : master) + FrozenBytes();
+    stats.grad_bytes = grads;
+    stats.optimizer_state_bytes = state;
+    stats.master_bytes = mixed ? master : 0;
+    stats.overlap_ratio = overlap_.ratio();
+    const double steps = std::max<double>(1, epilogue_ ? epilogue_->step() : 1);
+    std::ostringstream line;
+    line << "gemini: tier traffic per step: device->host " << traffic_.to_host / steps
+         << " B, host->device " << traffic_.to_device / steps << " B, NVMe read "
+         << traffic_.nvme_read / steps << " B, NVMe written " << traffic_.nvme_written / steps
+         << " B; peak gathered chunk bytes " << gathered_peak_;
+    cai::sdk::Log(CAI_LOG_INFO, line.str());
+  }
+
+  static void EstimateMemory(const cai_memory_estimate_args& args, cai_memory_estimate& out) {
+    const cai::sdk::Config config(args.config);
+    const bool have = args.config != nullptr;
+    const uint64_t extra = have ? static_cast<uint64_t>(config.Int("extra_dp_size")) : 1;
+    const uint64_t n = std::max<uint64_t>(1, static_cast<uint64_t>(args.world_size) / extra);
+    const double shard_frac = have ? config.Float("shard_param_frac") : 1.0;
+    const double optim_frac = have ? config.Float("offload_optim_frac") : 0.0;
+    const double param_frac = have ? config.Float("offload_param_frac") : 0.0;
+    const double nvme_frac = have ? config.Float("nvme_offload_fraction") : 0.0;
+    const uint64_t e = args.precision == CAI_PRECISION_FP32 ? 4 : 2;
+    const auto psi = static_cast<double>(args.num_params);
+    const double shard = psi / static_cast<double>(n);
+    const double k = args.optimizer_state_slots;
+    // A gathered unit's worth of chunks with its gradient, and the one in its reduce-scatter.
+    const double working =
+        3.0 * static_cast<double>(e) * static_cast<double>(args.largest_unit_numel);
+    const double kept = (1 - shard_frac) * e * psi;
+    const double on_host = optim_frac * (8 + 4 * k * (1 - nvme_frac)) * shard;
+    const double on_device = (1 - optim_frac) * (8 + 4 * k) * shard;
+    const double compute_copy = (e == 4 ? optim_frac : 1.0) * (1 - param_frac) * e * shard;
+    out.master_bytes = e == 4 ? 0 : static_cast<uint64_t>(4 * shard);
+    out.param_bytes = static_cast<uint64_t>(e * shard + kept);
+    out.grad_bytes = static_cast<uint64_t>(4 * shard + working);
+    out.optimizer_state_bytes = static_cast<uint64_t>(4 * k * shard);
+    out.device_bytes = static_cast<uint64_t>(on_device + compute_copy + kept + working);
+    out.host_bytes = static_cast<uint64_t>(on_host + param_frac * e * shard);
+    out.formula =
+        "device (1-f_optim)(8+4k)Ψ/G + compute copy eΨ/G of the chunks not on the host + "
+        "(1-f_shard)eΨ kept gathered + 3e·unit gathered; host f_optim(8 + 4k(1-f_nvme))Ψ/G "
+        "(+ f_param·eΨ/G); NVMe f_optim·f_nvme·4kΨ/G (G = world / extra_dp_size, f = the "
+        "placement fractions)";
+  }
+
+ private:
+  static constexpr int kDevice = 0, kHost = 1, kNvme = 2, kBanks = 3;
+
+  struct Member {
+    uint32_t param;
+    uint32_t group;
+    int64_t numel;
+    int64_t offset;  // elements into the chunk
+    int32_t index;   // among all trainable parameters (the step's used flags)
+  };
+  struct Chunk {
+    std::vector<Member> members;
+    int64_t numel = 0;     // elements its parameters take
+    int64_t capacity = 0;  // C_c, a multiple of G
+    int64_t shard = 0;     // C_c / G
+    bool root = false;     // gathered for the whole micro-batch
+    bool kept = false;     // never released (shard_param_frac)
+    int bank = kDevice;    // where its fp32 shards live
+    int64_t base = 0;      // elements into its bank
+    int compute = -1;      // compute-dtype shard: -1 none (the fp32 master is it), 0 device, 1 host
+    int64_t cbase = 0;     // elements into compute_bufs_[compute]
+    int32_t first_unit = -1, last_unit = -1;  // model units holding its parameters
+    Buffer gathered;                          // capacity compute-dtype elements while gathered
+    Buffer staging;  // the device copy of a host-held compute shard, while gathering
+    Buffer grads;    // capacity compute-dtype elements while backward accumulates
+    bool released = true;
+    cai::sdk::Work prefetch;
+  };
+  struct Bank {
+    cai_mem_tier tier = CAI_MEM_DEVICE;
+    int64_t numel = 0;
+    Buffer master, grads;
+    cai::sdk::FlatOptimizer optim;  // kDevice, kHost
+    std::vector<Buffer> nvme;       // kNvme: one unmapped buffer per state slot
+    cai_device device{CAI_DEVICE_CPU, 0};
+  };
+  struct Traffic {
+    double to_host = 0, to_device = 0, nvme_read = 0, nvme_written = 0;
+  };
+
+  static const char* Name(cai_dtype d) {
+    return SameDtype(d, kF32) ? "fp32" : SameDtype(d, kBF16) ? "bf16" : "fp16";
+  }
+  cai_param_info ParamInfo(uint32_t index) const { return cai::sdk::ParamInfo(model_, index); }
+  std::string ParamName(uint32_t index) const { return ParamInfo(index).name; }
+  uint64_t FrozenBytes() const {
+    uint64_t bytes = 0;
+    for (uint32_t i : frozen_) {
+      const cai_param_info info = ParamInfo(i);
+      bytes += Bytes(info.numel, info.dtype);
+    }
+    return bytes;
+  }
+  size_t NumSlots() const { return cai::sdk::MaxStateSlots(optimizer_); }
+  int64_t Lo(const Chunk& c) const { return shard_index_ * c.shard; }
+  float* MasterPtr(const Chunk& c) const {
+    return static_cast<float*>(banks_[c.bank].master.data()) + c.base;
+  }
+  float* GradPtr(const Chunk& c) const {
+    return static_cast<float*>(banks_[c.bank].grads.data()) + c.base;
+  }
+
+  // The chunk size (given or searched) and every trainable parameter's chunk: the root
+  // parameters first, then the blocks' in unit order.
+  void PlanChunks() {
+    const auto& model = *Host().model;
+    const uint32_t num_params = model.num_params(model_);
+    const uint32_t num_units = model.num_units(model_);
+    std::vector<int32_t> block_of(num_params, -1);
+    for (uint32_t u = 0; u < num_units; ++u) {
+      cai_unit_info info{};
+      info.struct_size = CAI_UNIT_INFO_STRUCT_SIZE;
+      Check(model.unit_info(model_, u, &info));
+      if (info.kind != CAI_UNIT_BLOCK) continue;
+      for (uint32_t k = 0; k < info.num_params; ++k) {
+        block_of[info.params[k]] = static_cast<int32_t>(u);
+      }
+    }
+    std::vector<uint32_t> order;  // root parameters, then block parameters by unit
+    for (int pass = 0; pass < 2; ++pass) {
+      for (uint32_t u = 0; u < (pass == 0 ? 1u : num_units); ++u) {
+        for (uint32_t i = 0; i < num_params; ++i) {
+          const cai_param_info info = ParamInfo(i);
+          if (info.tied_to >= 0 || !(info.flags & CAI_PARAM_REQUIRES_GRAD)) continue;
+          if (pass == 0 ? block_of[i] < 0 : block_of[i] == static_cast<int32_t>(u)) {
+            order.push_back(i);
+          }
+        }
+      }
+    }
+    for (uint32_t i = 0; i < num_params; ++i) {
+      const cai_param_info info = ParamInfo(i);
+      if (!SameDtype(info.dtype, kF32) && info.tied_to < 0) {
+        throw Error(CAI_FAILED_PRECONDITION,
+                    std::string("gemini: parameter '") + info.name +
+                        "' is not fp32 at boost; gemini keeps fp32 chunks and casts to "
+                        "train.precision itself, so save the model in fp32");
+      }
+      if (info.tied_to < 0 && !(info.flags & CAI_PARAM_REQUIRES_GRAD)) frozen_.push_back(i);
+    }
+    if (order.empty()) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "gemini: the model has no trainable parameters; unfreeze some (model.freeze)");
+    }
+    std::vector<int64_t> sizes;
+    std::vector<bool> root;
+    for (uint32_t i : order) {
+      sizes.push_back(ParamInfo(i).numel);
+      root.push_back(block_of[i] < 0);
+      psi_ += sizes.back();
+    }
+    const int64_t g = shards_;
+    int64_t c = 0;
+    if (chunk_size_ > 0) {
+      c = RoundUp(chunk_size_, g);
+    } else {
+      // ColossalAI's search: the least padding over the range, the smallest size among equals.
+      const int64_t lo = RoundUp(std::max<int64_t>(1, std::min(min_chunk_, psi_)), g);
+      const int64_t hi = std::max(lo, RoundUp(std::min(min_chunk_ + search_range_, psi_), g));
+      int64_t best = -1;
+      for (int64_t size = lo; size <= hi; size += RoundUp(interval_, g)) {
+        const int64_t waste = Pack(sizes, root, size, g).waste;
+        if (best < 0 || waste < best) {
+          best = waste;
+          c = size;
+        }
+      }
+    }
+    chunk_capacity_ = c;
+    const Packing packing = Pack(sizes, root, c, g);
+    chunks_.resize(packing.capacity.size());
+    for (size_t k = 0; k < chunks_.size(); ++k) {
+      chunks_[k].capacity = packing.capacity[k];
+      chunks_[k].shard = packing.capacity[k] / g;
+    }
+    member_of_param_.assign(num_params, -1);
+    chunks_of_unit_.assign(num_units, {});
+    for (size_t j = 0; j < order.size(); ++j) {
+      Chunk& chunk = chunks_[packing.chunk_of[j]];
+      const cai_param_info info = ParamInfo(order[j]);
+      member_of_param_[order[j]] = static_cast<int32_t>(num_members_);
+      chunk.members.push_back(
+          {order[j], info.group, info.numel, chunk.numel, static_cast<int32_t>(num_members_)});
+      ++num_members_;
+      chunk.numel += info.numel;
+      chunk.root = root[j];
+      if (!root[j]) {
+        const int32_t u = block_of[order[j]];
+        if (chunk.first_unit < 0) chunk.first_unit = u;
+        chunk.last_unit = u;
+        auto& list = chunks_of_unit_[u];
+        const auto k = static_cast<int32_t>(packing.chunk_of[j]);
+        if (list.empty() || list.back() != k) list.push_back(k);
+      }
+    }
+    waste_ = packing.waste;
+  }
+
+  // Tiers, by the static policy's fractions of the chunks' capacity, first chunks first.
+  void PlaceChunks(bool mixed) {
+    int64_t total = 0;
+    for (const Chunk& c : chunks_) total += c.capacity;
+    auto first = [&](double frac) {
+      std::vector<bool> in(chunks_.size(), false);
+      int64_t before = 0;
+      for (size_t k = 0; k < chunks_.size(); ++k) {
+        in[k] = static_cast<double>(before) < frac * static_cast<double>(total) - 0.5;
+        before += chunks_[k].capacity;
+      }
+      return in;
+    };
+    const std::vector<bool> sharded = first(shard_frac_);
+    const std::vector<bool> offload = first(optim_frac_);
+    const std::vector<bool> host_param = first(param_frac_);
+    // NVMe takes the last nvme_offload_fraction of the offloaded capacity.
+    int64_t offloaded = 0;
+    for (size_t k = 0; k < chunks_.size(); ++k) offloaded += offload[k] ? chunks_[k].capacity : 0;
+    int64_t before = 0;
+    for (size_t k = 0; k < chunks_.size(); ++k) {
+      Chunk& c = chunks_[k];
+      c.kept = !sharded[k] || shards_ == 1;
+      c.bank = kDevice;
+      if (offload[k]) {
+        // The last offloaded chunks until the fraction is reached (rounding up).
+        const bool nvme = nvme_frac_ > 0 && static_cast<double>(offloaded - before - c.capacity) <
+                                                nvme_frac_ * static_cast<double>(offloaded);
+        c.bank = nvme ? kNvme : kHost;
+        before += c.capacity;
+      }
+      c.base = banks_[c.bank].numel;
+      banks_[c.bank].numel += c.shard;
+      if (host_param[k]) {
+        c.compute = 1;
+      } else if (mixed || c.bank != kDevice) {
+        c.compute = 0;
+      }
+      if (c.compute >= 0) {
+        c.cbase = compute_numel_[c.compute];
+        compute_numel_[c.compute] += c.shard;
+      }
+    }
+  }
+
+  void LogLayout() const {
+    std::ostringstream line;
+    int counts[kBanks] = {0, 0, 0};
+    int kept = 0, root = 0;
+    for (const Chunk& c : chunks_) {
+      ++counts[c.bank];
+      kept += c.kept ? 1 : 0;
+      root += c.root ? 1 : 0;
+    }
+    line << "gemini: " << chunks_.size() << " chunks of " << chunk_capacity_ << " elements ("
+         << Name(compute_) << " compute, " << shards_ << " shards x " << replicas_ << " replicas), "
+         << psi_ << " trainable elements, " << waste_ << " of padding; state on device "
+         << counts[kDevice] << ", host " << counts[kHost] << ", NVMe " << counts[kNvme]
+         << " chunks; " << kept << " kept gathered; " << root << " root; chunk sizes:";
+    for (const Chunk& c : chunks_) line << " " << c.capacity;
+    cai::sdk::Log(CAI_LOG_INFO, line.str());
+    if (!verbose_) return;
+    for (size_t k = 0; k < chunks_.size(); ++k) {
+      const Chunk& c = chunks_[k];
+      std::ostringstream detail;
+      detail << "gemini: chunk " << k << ": " << c.numel << "/" << c.capacity << " elements, "
+             << (c.root ? "root, " : "") << (c.kept ? "kept gathered, " : "sharded, ")
+             << (c.bank == kDevice ? "device"
+                 : c.bank == kHost ? "host"
+                                   : "host+NVMe")
+             << " state, parameters:";
+      for (const Member& m : c.members) detail << " " << ParamName(m.param);
+      cai::sdk::Log(CAI_LOG_INFO, detail.str());
+    }
+  }
+
+  // Calls fn(piece) for every used parameter's part of this rank's shard of chunk c.
+  template <class F>
+  void ForEachPiece(const Chunk& c, const std::vector<double>& used, F&& fn) const {
+    const int64_t lo = Lo(c), hi = lo + c.shard;
+    for (const Member& m : c.members) {
+      if (used[m.index] == 0) continue;
+      const int64_t a = std::max(lo, m.offset), b = std::min(hi, m.offset + m.numel);
+      if (a >= b) continue;
+      cai::sdk::FlatOptimizer::Piece piece;
+      piece.group = m.group;
+      piece.offset = static_cast<size_t>(c.base + (a - lo));
+      piece.count = static_cast<size_t>(b - a);
+      piece.param = MasterPtr(c) + (a - lo);
+      piece.grad = GradPtr(c) + (a - lo);
+      fn(piece);
+    }
+  }
+
+  // The NVMe chunks' update: each chunk's state slots read into one of two host staging
+  // buffers, the next chunk's read queued behind this one's write on the copy thread while
+  // this one updates.
+  void UpdateNvmeChunks(const std::vector<const Chunk*>& chunks, const std::vector<double>& used,
+                        const cai::sdk::StepDecision& d) {
+    if (chunks.empty()) return;
+    const size_t slots = banks_[kNvme].nvme.size();
+    int64_t most = 0;
+    for (const Chunk* c : chunks) most = std::max(most, c->shard);
+    const int64_t per_stage = most * static_cast<int64_t>(std::max<size_t>(slots, 1));
+    std::array<Buffer, 2> stage;
+    for (Buffer& b : stage) b = Alloc(banks_[kNvme].tier, per_stage, kF32, "gemini.nvme_stage");
+    std::array<std::vector<cai::sdk::Transfer>, 2> io;
+    auto submit = [&](const Chunk& c, int s, cai_mem_direction dir) {
+      io[s].clear();
+      for (size_t k = 0; k < slots; ++k) {
+        io[s].push_back(cai::sdk::Transfer::Start(banks_[kNvme].nvme[k], Bytes(c.base, kF32),
+                                                  static_cast<float*>(stage[s].data()) + k * most,
+                                                  Bytes(c.shard, kF32), dir, true));
+        (dir == CAI_MEM_OUT_OF_BUFFER ? traffic_.nvme_read : traffic_.nvme_written) +=
+            static_cast<double>(Bytes(c.shard, kF32));
+      }
+    };
+    auto wait = [&](int s) {
+      for (cai::sdk::Transfer& t : io[s]) t.Wait();
+      io[s].clear();
+    };
+    submit(*chunks[0], 0, CAI_MEM_OUT_OF_BUFFER);
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      const int s = static_cast<int>(i % 2);
+      wait(s);
+      if (i + 1 < chunks.size()) {
+        wait(1 - s);  // the previous chunk's write-back out of the other stage
+        submit(*chunks[i + 1], 1 - s, CAI_MEM_OUT_OF_BUFFER);
+      }
+      const Chunk& c = *chunks[i];
+      ForEachPiece(c, used, [&](cai::sdk::FlatOptimizer::Piece& piece) {
+        float* states[4] = {};
+        for (size_t k = 0; k < slots; ++k) {
+          states[k] = static_cast<float*>(stage[s].data()) + k * most +
+                      (piece.offset - static_cast<size_t>(c.base));
+        }
+        cai::sdk::FlatOptimizer::Update(optimizer_, banks_[kNvme].device, piece, states, d.step,
+                                        d.grad_scale);
+      });
+      submit(c, s, CAI_MEM_INTO_BUFFER);
+    }
+    wait(0);
+    wait(1);
+  }
+
+  // The compute-dtype copy of chunk c's shard from its fp32 master (a host-held master is
+  // cast on the host and copied over once, one transfer on an accelerator).
+  void RefreshCompute(Chunk& c) {
+    if (c.compute < 0) return;
+    const int64_t n = c.shard;
+    const cai_tensor master = View(banks_[c.bank].master, kF32, c.base, &c.shard);
+    const Buffer& target = compute_bufs_[c.compute];
+    const cai_tensor out = View(target, compute_, c.cbase, &c.shard);
+    if (c.compute == 1 || c.bank == kDevice) {  // same tier
+      RunKernel(CAI_KERNEL_COPY, &master, out);
+      return;
+    }
+    void* dst = static_cast<char*>(target.data()) + Bytes(c.cbase, compute_);
+    if (SameDtype(compute_, kF32)) {
+      Check(Host().mempool->copy(dst, MasterPtr(c), Bytes(n, kF32), nullptr));
+    } else {
+      Buffer host = Alloc(banks_[c.bank].tier, n, compute_, "gemini.offload_param");
+      RunKernel(CAI_KERNEL_COPY, &master, View(host, compute_, 0, &c.shard));
+      Check(Host().mempool->copy(dst, host.data(), Bytes(n, compute_), nullptr));
+    }
+    traffic_.to_device += static_cast<double>(Bytes(n, compute_));
+  }
+
+  // The all-gather's input: chunk c's shard in the compute dtype, on the device.
+  cai_tensor ShardSource(Chunk& c) {
+    if (c.compute < 0) return View(banks_[c.bank].master, kF32, c.base, &c.shard);
+    if (c.compute == 0) return View(compute_bufs_[0], compute_, c.cbase, &c.shard);
+    c.staging = Alloc(CAI_MEM_DEVICE, c.shard, compute_, "gemini.param_staging");
+    Check(Host().mempool->copy(
+        c.staging.data(), static_cast<char*>(compute_bufs_[1].data()) + Bytes(c.cbase, compute_),
+        Bytes(c.shard, compute_), nullptr));
+    traffic_.to_device += static_cast<double>(Bytes(c.shard, compute_));
+    return View(c.staging, compute_, 0, &c.shard);
+  }
+
+  cai::sdk::Work StartGather(Chunk& c, bool async) {
+    if (!c.gathered.get()) {
+      c.gathered = Alloc(CAI_MEM_DEVICE, c.capacity, compute_, "gemini.chunk");
+      gathered_bytes_ += c.gathered.size();
+      gathered_peak_ = std::max(gathered_peak_, gathered_bytes_);
+    }
+    const cai_tensor in = ShardSource(c);
+    const cai_tensor out = View(c.gathered, compute_, 0, &c.capacity);
+    if (shards_ == 1) {
+      RunKernel(CAI_KERNEL_COPY, &in, out);
+      c.staging = Buffer();
+      return {};
+    }
+    cai::sdk::Work work =
+        RunCollective(CAI_COMM_ALL_GATHER, &in, out, async, CAI_REDUCE_SUM, groups_.shard());
+    if (!async) c.staging = Buffer();
+    return work;
+  }
+
+  // Gathers chunk c (waiting for its prefetch, if one runs) into its parameters' storage, and
+  // with prefetch on, starts the next chunks' all-gathers along the recorded order.
+  void Gather(Chunk& c) {
+    if (!c.released) return;
+    const auto index = static_cast<int32_t>(&c - chunks_.data());
+    if (c.prefetch.valid()) {
+      c.prefetch.Wait();
+      c.prefetch = cai::sdk::Work();
+      c.staging = Buffer();
+    } else {
+      StartGather(c, false);
+    }
+    for (const Member& m : c.members) {
+      cai_tensor view = View(c.gathered, compute_, m.offset, &m.numel);
+      Check(Host().model->replace_param_storage(model_, m.param, &view));
+    }
+    c.released = false;
+    if (c.root || c.kept || max_prefetch_ == 0) return;
+    if (recording_) {
+      order_.push_back(index);
+      return;
+    }
+    if (!following_) return;
+    if (cursor_ >= order_.size() || order_[cursor_] != index) {
+      following_ = false;  // this micro-batch left the recorded order: no more guessing
+      return;
+    }
+    ++cursor_;
+    for (size_t j = cursor_; j < std::min(order_.size(), cursor_ + max_prefetch_); ++j) {
+      Chunk& next = chunks_[order_[j]];
+      if (next.released && !next.prefetch.valid()) next.prefetch = StartGather(next, true);
+    }
+  }
+
+  // The recorded gather order is taken from the first training micro-batch; later ones follow
+  // it from the start.
+  void BeginOrder() {
+    cursor_ = 0;
+    if (max_prefetch_ == 0) return;
+    if (!recorded_ && !recording_) {
+      recording_ = true;
+      order_.clear();
+    }
+    following_ = recorded_;
+  }
+
+  // Releases chunk c's parameters (never a kept chunk's unless `force`) and its gathered
+  // memory.
+  void ReleaseParams(Chunk& c, bool force = false) {
+    if (c.prefetch.valid()) {
+      c.prefetch.Wait();
+      c.prefetch = cai::sdk::Work();
+      c.staging = Buffer();
+    }
+    if (c.kept && !force) return;
+    if (!c.released) {
+      for (const Member& m : c.members) {
+        Check(Host().model->release_param_storage(model_, m.param));
+      }
+      c.released = true;
+    }
+    if (c.gathered.get()) gathered_bytes_ -= c.gathered.size();
+    c.gathered = Buffer();
+  }
+
+  void BeginGrads(Chunk& c) {
+    if (c.grads.get()) return;
+    c.grads = Alloc(CAI_MEM_DEVICE, c.capacity, compute_, "gemini.grad");
+    for (const Member& m : c.members) {
+      cai_tensor view = View(c.grads, compute_, m.offset, &m.numel);
+      Check(Host().model->replace_grad_storage(model_, m.param, &view));
+    }
+  }
+
+  // Chunk c's gradient, summed over all ranks, into this rank's fp32 gradient shard: a
+  // reduce-scatter over the shard group (left running behind backward with
+  // enable_async_reduce), then an all-reduce over the replicas; offloaded chunks take it to
+  // the host.
+  void ReduceGrads(Chunk& c) {
+    for (const Member& m : c.members) Check(Host().model->release_grad(model_, m.param));
+    const Chunk* chunk = &c;
+    reducer_.Reduce(std::move(c.grads), c.shard, compute_,
+                    [this, chunk](const cai_tensor& summed, const Buffer& on) {
+                      const Chunk& c = *chunk;
+                      const Bank& bank = banks_[c.bank];
+                      traffic_.to_host += static_cast<double>(cai::sdk::AddToShard(
+                          summed, on, View(bank.grads, kF32, c.base, &c.shard), bank.tier));
+                    });
+  }
+
+  static cai_status* OnUnitHook(void* self, const cai_hook_event* event) {
+    return cai::sdk::Guard([&] { static_cast<Gemini*>(self)->OnHook(*event); });
+  }
+
+  void OnHook(const cai_hook_event& e) {
+    if (e.kind == CAI_HOOK_GRAD_READY) {
+      if (e.param >= 0 && static_cast<size_t>(e.param) < member_of_param_.size() &&
+          member_of_param_[e.param] >= 0) {
+        used_[member_of_param_[e.param]] = 1;
+      }
+      return;
+    }
+    if (e.unit < 0 || static_cast<size_t>(e.unit) >= chunks_of_unit_.size()) return;
+    for (int32_t k : chunks_of_unit_[e.unit]) {
+      Chunk& c = chunks_[k];
+      switch (e.kind) {
+        case CAI_HOOK_PRE_FORWARD:
+          Gather(c);
+          break;
+        case CAI_HOOK_POST_FORWARD:
+          // A recomputation inside backward keeps what backward needs.
+          if (e.unit == c.last_unit && !e.recompute && !in_backward_) ReleaseParams(c);
+          break;
+        case CAI_HOOK_PRE_BACKWARD:
+          in_backward_ = true;
+          Gather(c);
+          BeginGrads(c);
+          break;
+        case CAI_HOOK_POST_BACKWARD:
+          if (e.unit != c.first_unit) break;
+          if (c.grads.get()) ReduceGrads(c);
+          ReleaseParams(c);
+          break;
+        default:
+          break;
+      }
+    }
+  }
+
+  // ---- Checkpoints: the canonical layout, one chunk at a time -----------------------------
+
+  // This rank's fp32 shard of chunk c (slot -1: the master, else optimizer state slot k) on
+  // the device: a view of device-held state, else a device copy in `staging`.
+  cai_tensor DeviceShard(const Chunk& c, int slot, Buffer& staging) {
+    const Bank& bank = banks_[c.bank];
+    if (c.bank == kDevice) {
+      return slot < 0 ? View(bank.master, kF32, c.base, &c.shard)
+                      : bank.optim.View(static_cast<size_t>(slot), static_cast<size_t>(c.base),
+                                        &c.shard);
+    }
+    staging = Alloc(CAI_MEM_DEVICE, c.shard, kF32, "gemini.checkpoint");
+    if (slot >= 0 && c.bank == kNvme) {
+      Buffer host = Alloc(bank.tier, c.shard, kF32, "gemini.checkpoint");
+      cai::sdk::Transfer::Start(bank.nvme[slot], Bytes(c.base, kF32), host.data(),
+                                Bytes(c.shard, kF32), CAI_MEM_OUT_OF_BUFFER, false);
+      Check(Host().mempool->copy(staging.data(), host.data(), staging.size(), nullptr));
+    } else {
+      const Buffer& src = slot < 0 ? bank.master : bank.optim.state(static_cast<size_t>(slot));
+      Check(Host().mempool->copy(staging.data(), static_cast<const float*>(src.data()) + c.base,
+                                 staging.size(), nullptr));
+    }
+    return View(staging, kF32, 0, &c.shard);
+  }
+
+  void SaveChunk(const cai_checkpoint_args& args, const Chunk& c, int slot) {
+    Buffer staging;
+    const cai_tensor in = DeviceShard(c, slot, staging);
+    Buffer full = Alloc(CAI_MEM_DEVICE, c.capacity, kF32, "gemini.checkpoint");
+    const cai_tensor out = View(full, kF32, 0, &c.capacity);
+    if (shards_ > 1) {
+      RunCollective(CAI_COMM_ALL_GATHER, &in, out, false, CAI_REDUCE_SUM, groups_.shard());
+    } else {
+      RunKernel(CAI_KERNEL_COPY, &in, out);
+    }
+    if (rank_ != 0) return;
+    for (const Member& m : c.members) {
+      const cai_param_info info = ParamInfo(m.param);
+      const cai_tensor t = View(full, kF32, m.offset, &m.numel);
+      if (slot < 0) {
+        cai::sdk::WriteAsFp32(args.checkpoint, std::string("model/") + info.name, t,
+                              std::span<const int64_t>(info.shape, info.ndim));
+      } else {
+        Check(Host().checkpoint->write_tensor(
+            args.checkpoint,
+            cai::sdk::OptimStateName(info.name, static_cast<uint32_t>(slot)).c_str(), &t));
+      }
+    }
+  }
+
+  // Reads this rank's slice of every member of chunk c into a host shard, then puts it where
+  // the chunk's state lives.
+  void LoadChunk(const cai_checkpoint_args& args, const Chunk& c, int slot) {
+    const Bank& bank = banks_[c.bank];
+    Buffer host = Alloc(CAI_MEM_HOST, c.shard, kF32, "gemini.checkpoint");
+    const int64_t lo = Lo(c), hi = lo + c.shard;
+    for (const Member& m : c.members) {
+      const int64_t a = std::max(lo, m.offset), b = std::min(hi, m.offset + m.numel);
+      if (a >= b) continue;
+      const int64_t count = b - a;
+      const cai_tensor dst = View(host, kF32, a - lo, &count);
+      const std::string name =
+          slot < 0 ? "model/" + ParamName(m.param)
+                   : cai::sdk::OptimStateName(ParamName(m.param), static_cast<uint32_t>(slot));
+      Check(
+          Host().checkpoint->read_tensor(args.checkpoint, name.c_str(), a - m.offset, count, &dst));
+    }
+    if (slot >= 0 && c.bank == kNvme) {
+      cai::sdk::Transfer::Start(bank.nvme[slot], Bytes(c.base, kF32), host.data(),
+                                Bytes(c.shard, kF32), CAI_MEM_INTO_BUFFER, false);
+      return;
+    }
+    const Buffer& dst = slot < 0 ? bank.master : bank.optim.state(static_cast<size_t>(slot));
+    Check(Host().mempool->copy(static_cast<float*>(dst.data()) + c.base, host.data(), host.size(),
+                               nullptr));
+  }
+
+  // Configuration.
+  int32_t rank_ = 0;
+  int32_t world_ = 1;
+  int64_t chunk_size_ = 0;
+  int64_t search_range_ = 0;
+  int64_t min_chunk_ = 0;
+  int64_t interval_ = 1024;
+  double shard_frac_ = 1, optim_frac_ = 0, param_frac_ = 0, nvme_frac_ = 0;
+  size_t max_prefetch_ = 0;
+  double max_norm_ = 0;
+  bool pin_ = false;
+  bool sync_module_states_ = true;
+  bool verbose_ = false;
+  cai_loss_scaler_config scaler_config_{};
+  int32_t shards_ = 1;    // G
+  int32_t replicas_ = 1;  // extra_dp_size
+  int32_t shard_index_ = 0;
+  int32_t replica_index_ = 0;
+  cai::sdk::ShardGroups groups_;
+
+  cai_model* model_ = nullptr;
+  cai_optimizer* optimizer_ = nullptr;
+  cai_dtype compute_ = kF32;
+  cai::sdk::UnitHooks hooks_;
+
+  std::vector<Chunk> chunks_;
+  std::vector<std::vector<int32_t>> chunks_of_unit_;  // model unit -> its chunks, in order
+  std::vector<int32_t> member_of_param_;              // model parameter -> trainable index
+  std::vector<uint32_t> frozen_;
+  size_t num_members_ = 0;
+  int64_t psi_ = 0;
+  int64_t chunk_capacity_ = 0;
+  int64_t waste_ = 0;
+  std::array<Bank, kBanks> banks_;
+  std::array<Buffer, 2> compute_bufs_;  // compute-dtype shards: device, host
+  std::array<int64_t, 2> compute_numel_{0, 0};
+  std::optional<cai::sdk::StepEpilogue> epilogue_;
+
+  bool backward_ = false;
+  bool in_backward_ = false;
+  size_t reduces_in_flight_ = 1;
+  cai::sdk::OverlapMeter overlap_;
+  cai::sdk::ShardReducer reducer_;  // after overlap_ and groups_, which it points at
+  std::vector<uint8_t> used_;
+  uint64_t gathered_bytes_ = 0;
+  uint64_t gathered_peak_ = 0;
+  Traffic traffic_;
+
+  // Prefetch along the recorded gather order.
+  std::vector<int32_t> order_;
+  size_t cursor_ = 0;
+  bool recording_ = false;
+  bool recorded_ = false;
+  bool following_ = false;
+};
+
+}  // namespace
+
+CAI_PLUGIN(Gemini)

@@ -248,6 +248,16 @@ uint64_t EmptyFrameworkCache() { return TrimFrameworkCache(UINT64_MAX); }
 
 void ChargeFrameworkTo(MemoryPool* pool) { g_charged_pool.store(pool, std::memory_order_release); }
 
+bool ChargeExistingBlock(void* data, void (*deleter)(void*)) {
+  MemoryPool* pool = g_charged_pool.load(std::memory_order_acquire);
+  if (pool == nullptr || data == nullptr || deleter != &Delete) return false;
+  auto* header = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeader);
+  if (header->charged != nullptr) return false;
+  if (!pool->TryChargeFramework(header->bytes)) ThrowOverBudget(*pool, header->bytes);
+  header->charged = pool;
+  return true;
+}
+
 AllocationSite::AllocationSite(const char* phase, int32_t unit, const std::string* unit_name)
     : saved_phase_(t_site.phase), saved_unit_(t_site.unit), saved_name_(t_site.unit_name) {
   Set(phase, unit, unit_name);

@@ -50,6 +50,13 @@ uint64_t TrimFrameworkCache(uint64_t bytes);
 // allocated before are never charged, so their frees are not subtracted either.
 void ChargeFrameworkTo(MemoryPool* pool);
 
+// Charges the live block whose data pointer is `data` (a storage's, with `deleter` its
+// DataPtr's deleter) to the pool charged now, as if it were allocated now: a tensor built in
+// host memory moving to the device. Returns false, charging nothing, for memory the counting
+// allocator did not hand out or that is charged already; fails like an allocation over the
+// budget.
+bool ChargeExistingBlock(void* data, void (*deleter)(void*));
+
 // What LibTorch allocates for on this thread while the object lives ("forward", unit 3 named
 // "h.2"), for the message of a budget failure. Nested sites restore the enclosing one.
 // `phase` and `unit_name` must outlive the site.

@@ -913,4 +913,19 @@ void Model::SetBufferDtype(cai_dtype dtype) {
 
 void Model::SetActivationCheckpointing(bool enabled) { impl_->checkpointing = enabled; }
 
+uint64_t Model::ChargeOwnStorage() {
+  uint64_t charged = 0;
+  auto charge = [&](const torch::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) return;
+    const c10::DataPtr& data = t.storage().data_ptr();
+    if (ChargeExistingBlock(data.get(), data.get_deleter())) charged += t.storage().nbytes();
+  };
+  for (uint32_t i = 0; i < impl_->params.size(); ++i) {
+    const Impl::Param& p = impl_->params[i];
+    if (!p.released && !p.foreign_data) charge(impl_->T(i));
+  }
+  for (auto& [name, buffer] : impl_->net->buffers) charge(buffer);
+  return charged;
+}
+
 }  // namespace cai

@@ -179,6 +179,11 @@ class Model {
   // Recompute each transformer block's forward during backward instead of keeping its
   // activations; the recomputation fires the block's forward hooks with recompute = true.
   void SetActivationCheckpointing(bool enabled);
+  // Charges to the device budget (ChargeExistingBlock) the storage the model still owns: its
+  // buffers and the parameters no strategy released or pointed elsewhere. For a model built
+  // in host memory (model.init_device = "host"): what the strategy left in the model moves
+  // to the device. Returns the bytes charged.
+  uint64_t ChargeOwnStorage();
 
  private:
   std::unique_ptr<Impl> impl_;

@@ -25,6 +25,7 @@ const char* const kOptimKinds[] = {"adamw", "adam", "sgd", nullptr};
 const char* const kSources[] = {"default", "tokens", "text", nullptr};
 const char* const kPrecisions[] = {"fp32", "bf16", "fp16", nullptr};
 const char* const kBackends[] = {"gloo", "nccl", nullptr};
+const char* const kInitDevices[] = {"device", "host", nullptr};
 
 const cai_config_key kModelKeys[] = {
     StringKey("kind", "\"gpt2\"", "Model: gpt2 or llama from the zoo, or a torchscript file.",
@@ -64,6 +65,13 @@ const cai_config_key kModelKeys[] = {
               "Face names and layouts (config.json, model.safetensors[.index.json]), as `cai "
               "export` writes and GPT2LMHeadModel / LlamaForCausalLM save; its config.json must "
               "match these keys (`cai import DIR` prints them)."),
+    StringKey("init_device", "\"device\"",
+              "Where the model is built: device (its initial weights count against "
+              "memory.device_budget from the start) or host (built in host memory, as "
+              "ColossalAI's LazyInitContext or a PyTorch model built on the CPU before FSDP "
+              "moves it: only what the strategy places on the device counts, and after boost "
+              "whatever the strategy left in the model moves there).",
+              kInitDevices),
     BoolKey("activation_checkpointing", "false",
             "Recompute each block's forward during backward to save activation memory."),
     StringKey("freeze", "\"\"",

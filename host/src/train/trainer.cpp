@@ -421,9 +421,14 @@ void Run::Setup() {
                 "host trains on the CPU; use \"gloo\"");
   }
 
+  const bool init_on_host = GetString(*job_.model, "init_device") == "host";
   {
+    // Built in host memory, the model's initial weights are not the device's: only what the
+    // strategy places on the device (and, after boost, what it leaves in the model) is.
     AllocationSite site("building the model (its initial weights)");
+    if (init_on_host) ChargeFrameworkTo(nullptr);
     model_ = BuildModel(job_, seed);
+    if (init_on_host) ChargeFrameworkTo(&MemoryPool::Global());
   }
   const cai_config& m = *job_.model;
   for (uint32_t i = 0; i < model_->NumParams(); ++i) params_ += model_->ParamInfo(i).numel;
@@ -477,6 +482,17 @@ void Run::Setup() {
   {
     AllocationSite site("the strategy's boost (placing the model's states)");
     ThrowIfError(strategy_.api->boost(instance_, &boost));
+  }
+  if (init_on_host) {
+    AllocationSite site("moving to the device what the strategy left in the model");
+    const uint64_t moved = model_->ChargeOwnStorage();
+    if (env_.rank == 0) {
+      Log(CAI_LOG_INFO, "",
+          "model.init_device = \"host\": the model was built in host memory; " +
+              FormatByteCount(moved) +
+              " of it (buffers and the parameters the strategy kept in the model) moved to "
+              "the device after boost");
+    }
   }
   if (has_layout) LearnLayout();
 

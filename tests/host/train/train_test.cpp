@@ -171,6 +171,44 @@ TEST(Train, DeviceBudget_BoundsBuffersAndLibTorchTogetherAndBeyondItFailsLikeAFu
   }
 }
 
+// model.init_device = "host": the model is built uncharged and, after boost, what the
+// strategy left in the model (here all of it: the reference trains on the model's own
+// storage) is charged to the device, so the run's device peak is the same as when built
+// there, losses are identical, and a budget below what moves fails at that move, naming it.
+TEST(Train, InitDeviceHost_ChargesWhatTheStrategyLeavesInTheModel) {
+  const auto number = [](const std::string& text, const std::string& pattern) {
+    std::smatch m;
+    EXPECT_TRUE(std::regex_search(text, m, std::regex(pattern))) << pattern << " not in " << text;
+    return m.empty() ? uint64_t{0} : std::stoull(m[1]);
+  };
+  const std::string job = std::string(TINY_JOB) + " --set train.steps=2";
+  TempDir on_device;
+  Result r = Train(job + " --run-dir " + on_device.str());
+  ASSERT_EQ(r.code, 0) << r.output;
+  const uint64_t device_peak = number(ReadFile((on_device / "summary.json").string()),
+                                      "\"device_total_peak_bytes\": ([0-9]+)");
+  TempDir on_host;
+  r = Train(job + " --run-dir " + on_host.str() + " --set model.init_device=host");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const uint64_t moved = number(r.output, "built in host memory; ([0-9]+) bytes");
+  EXPECT_GT(moved, 0u);
+  EXPECT_EQ(number(ReadFile((on_host / "summary.json").string()),
+                   "\"device_total_peak_bytes\": ([0-9]+)"),
+            device_peak);
+  EXPECT_EQ(LossTexts(on_host / ""), LossTexts(on_device / ""));
+  // Room for the reference's own buffers (its optimizer state, allocated in boost) and half
+  // of the model.
+  const uint64_t buffers = number(ReadFile((on_host / "summary.json").string()),
+                                  "\"peak_bytes\": \\{\"device\": ([0-9]+)");
+  TempDir too_small;
+  r = Train(job + " --run-dir " + too_small.str() +
+            " --set model.init_device=host --set memory.device_budget=" +
+            std::to_string(buffers + moved / 2));
+  EXPECT_NE(r.code, 0) << r.output;
+  CAI_EXPECT_CONTAINS(r.output, "device out of memory");
+  CAI_EXPECT_CONTAINS(r.output, "moving to the device what the strategy left in the model");
+}
+
 TEST(Train, NoJobFile_TrainsTheBuiltInDefaultsWithTheOverrides) {
   // Every key at its default (`cai train --help-keys`) but a model and batch small enough for
   // one quick step; the run directory is named for the defaults.

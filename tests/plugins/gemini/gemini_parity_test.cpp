@@ -413,3 +413,71 @@ TEST(GeminiParity, BadConfigurationsFailClearly) {
 }
 
 }  // namespace
+
+namespace {
+
+// A GPT-2 whose blocks hold most of its 6.9M parameters (8 × 256, vocab 2048), built in host
+// memory (model.init_device = host, as ColossalAI's LazyInitContext), activations recomputed.
+const std::vector<std::string> kBudgetModel = {
+    "model.n_layer=8",        "model.n_head=4",          "model.n_embd=256",
+    "model.n_ctx=128",        "model.vocab_size=2048",   "model.activation_checkpointing=true",
+    "model.init_device=host", "train.seq_len=64",        "train.global_batch=8",
+    "train.steps=3",          "optimizer.warmup_steps=0"};
+
+// A device budget of a quarter of the model states (16Ψ / 4, fp32 AdamW: weights, gradients
+// and two state slots), activations and LibTorch's temporaries inside it. Gemini with every
+// chunk's state and parameters on the host trains under it (every rank's device peak, pool
+// and LibTorch together, at most the budget) exactly as without it and as the reference;
+// fsdp and low_level_zero, with and without their CPU offload, run out of device memory.
+TEST(GeminiBudget, TwoRanks_QuarterOfModelStatesTrainsWhereFsdpAndZeroRunOutOfMemory) {
+  const TrainRun& ref = Reference(kBudgetModel);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const double psi = cai::testing::ModelElements(ref.checkpoint);
+  const auto budget = static_cast<int64_t>(16 * psi / 4);
+  std::vector<std::string> gemini = kBudgetModel;
+  for (const char* s :
+       {"plugin.gemini.offload_optim_frac=1.0", "plugin.gemini.offload_param_frac=1.0",
+        "plugin.gemini.hidden_dim=256", "plugin.gemini.min_chunk_size_m=0.18",
+        "plugin.gemini.search_range_m=0.1", "plugin.gemini.enable_async_reduce=false"}) {
+    gemini.push_back(s);
+  }
+  const TrainRun free = Gemini("unbudgeted", 2, gemini);
+  ExpectParity(ref, free);
+  std::vector<std::string> capped = gemini;
+  capped.push_back("memory.device_budget=" + std::to_string(budget));
+  const TrainRun run = Gemini("budget", 2, capped);
+  ExpectParity(ref, run);
+  ASSERT_EQ(run.losses.size(), free.losses.size());
+  for (size_t i = 0; i < run.losses.size(); ++i) EXPECT_EQ(run.losses[i], free.losses[i]);
+  std::vector<double> peaks;  // per rank: the pool's DEVICE buffers and LibTorch's together
+  const std::string key = "\"device_total_peak_bytes\":";
+  for (size_t at = run.summary.find(key); at != std::string::npos;
+       at = run.summary.find(key, at + 1)) {
+    peaks.push_back(cai::testing::JsonNumber(run.summary, "device_total_peak_bytes", at));
+  }
+  ASSERT_EQ(peaks.size(), 2u) << run.summary;
+  for (double peak : peaks) {
+    EXPECT_LE(peak, static_cast<double>(budget));
+    EXPECT_GT(peak, 0.5 * static_cast<double>(budget));  // the budget is what binds
+  }
+
+  const std::vector<std::pair<std::string, std::vector<std::string>>> others = {
+      {CAI_FSDP_MANIFEST, {"plugin.name=fsdp"}},
+      {CAI_FSDP_MANIFEST, {"plugin.name=fsdp", "plugin.fsdp.cpu_offload=true"}},
+      {CAI_LLZ_MANIFEST, {"plugin.name=low_level_zero", "plugin.low_level_zero.stage=2"}},
+      {CAI_LLZ_MANIFEST,
+       {"plugin.name=low_level_zero", "plugin.low_level_zero.stage=2",
+        "plugin.low_level_zero.cpu_offload=true"}},
+  };
+  int k = 0;
+  for (const auto& [manifest, sets] : others) {
+    std::vector<std::string> with = kBudgetModel;
+    with.insert(with.end(), sets.begin(), sets.end());
+    with.push_back("memory.device_budget=" + std::to_string(budget));
+    const TrainRun other = Train("other" + std::to_string(k++), 2, with, manifest);
+    EXPECT_NE(other.exit_code, 0) << sets.back();
+    EXPECT_NE(other.output.find("on memory tier DEVICE"), std::string::npos) << other.output;
+  }
+}
+
+}  // namespace

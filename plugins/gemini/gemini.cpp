@@ -199,6 +199,10 @@ class Gemini {
                      "lives on NVMe (memory.nvme_dir), out of RAM, streamed through each step. "
                      "Needs offload_optim_frac > 0.",
                      0, 1, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
+            BoolKey("nvme_offload_masters", "false",
+                    "The NVMe chunks' fp32 master shards on NVMe too (ZeRO-Infinity's parameter "
+                    "offload), streamed with their optimizer state; only the gradient shard and "
+                    "the compute copy stay in RAM. Needs nvme_offload_fraction > 0."),
             IntKey("max_prefetch", "0",
                    "Chunks whose all-gathers run ahead of use, along the order the first "
                    "micro-batch recorded; each costs one gathered chunk of memory.",
@@ -264,6 +268,12 @@ class Gemini {
                   "gemini: plugin.gemini.nvme_offload_fraction > 0 needs offload_optim_frac > "
                   "0: NVMe holds the optimizer state of host-offloaded chunks");
     }
+    nvme_masters_ = config.Bool("nvme_offload_masters");
+    if (nvme_masters_ && nvme_frac_ <= 0) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "gemini: plugin.gemini.nvme_offload_masters = true needs nvme_offload_fraction "
+                  "> 0: the masters go to NVMe with the optimizer state of the NVMe chunks");
+    }
     max_prefetch_ = config.Int("max_prefetch");
     max_norm_ = config.Float("max_norm");
     pin_ = config.Bool("pin_memory");
@@ -309,9 +319,12 @@ class Gemini {
     for (int b = 0; b < kBanks; ++b) {
       Bank& bank = banks_[b];
       bank.tier = bank_tiers[b];
-      bank.master = Alloc(bank.tier, bank.numel, kF32, bank_tags[b]);
+      bank.master = b == kNvme && nvme_masters_ && bank.numel > 0
+                        ? Buffer::Alloc(CAI_MEM_NVME, Bytes(bank.numel, kF32), "gemini.nvme",
+                                        /*zero_fill=*/false, CAI_MEM_ALLOC_UNMAPPED)
+                        : Alloc(bank.tier, bank.numel, kF32, bank_tags[b]);
       bank.grads = Alloc(bank.tier, bank.numel, kF32, bank_tags[b]);
-      bank.device = View(bank.master, kF32, 0, &bank.numel).device;
+      bank.device = View(bank.grads, kF32, 0, &bank.numel).device;
       if (b != kNvme) {
         bank.optim = cai::sdk::FlatOptimizer(optimizer_, static_cast<size_t>(bank.numel), bank.tier,
                                              bank_tags[b]);
@@ -337,8 +350,10 @@ class Gemini {
         RunKernel(CAI_KERNEL_COPY, &data, View(flat, kF32, m.offset, &m.numel));
       }
       if (sync_module_states_ && world_ > 1) cai::sdk::Broadcast(View(flat, kF32, 0, &c.capacity));
-      Check(Host().mempool->copy(MasterPtr(c), static_cast<float*>(flat.data()) + Lo(c),
-                                 Bytes(c.shard, kF32), nullptr));
+      Buffer host = Alloc(CAI_MEM_HOST, c.shard, kF32, "gemini.init");
+      Check(Host().mempool->copy(host.data(), static_cast<float*>(flat.data()) + Lo(c), host.size(),
+                                 nullptr));
+      MoveShard(banks_[c.bank].master, c, host.data(), CAI_MEM_INTO_BUFFER);
     }
     if (sync_module_states_) {
       cai::sdk::BroadcastParams(model_, frozen_);
@@ -423,8 +438,8 @@ class Gemini {
     sums.used.assign(used_.begin(), used_.end());
     const cai::sdk::StepDecision d = epilogue_->Decide(sums, result);
     if (d.skipped) return;
-    std::vector<const Chunk*> nvme;
-    for (const Chunk& c : chunks_) {
+    std::vector<Chunk*> nvme;
+    for (Chunk& c : chunks_) {
       if (c.bank == kNvme) {
         nvme.push_back(&c);
         continue;
@@ -434,7 +449,9 @@ class Gemini {
       });
     }
     UpdateNvmeChunks(nvme, sums.used, d);
-    for (Chunk& c : chunks_) RefreshCompute(c);
+    for (Chunk& c : chunks_) {
+      if (!MasterOnNvme(c)) RefreshCompute(c);  // those were, from their staged master
+    }
     for (Chunk& c : chunks_) {
       if (c.kept) {
         c.released = true;
@@ -534,6 +551,8 @@ class Gemini {
     const double optim_frac = have ? config.Float("offload_optim_frac") : 0.0;
     const double param_frac = have ? config.Float("offload_param_frac") : 0.0;
     const double nvme_frac = have ? config.Float("nvme_offload_fraction") : 0.0;
+    // The masters of the NVMe chunks leave the host too.
+    const double nvme_master = have && config.Bool("nvme_offload_masters") ? 4.0 : 0.0;
     const uint64_t e = args.precision == CAI_PRECISION_FP32 ? 4 : 2;
     const auto psi = static_cast<double>(args.num_params);
     const double shard = psi / static_cast<double>(n);
@@ -542,7 +561,7 @@ class Gemini {
     const double working =
         3.0 * static_cast<double>(e) * static_cast<double>(args.largest_unit_numel);
     const double kept = (1 - shard_frac) * e * psi;
-    const double on_host = optim_frac * (8 + 4 * k * (1 - nvme_frac)) * shard;
+    const double on_host = optim_frac * (8 + 4 * k - (4 * k + nvme_master) * nvme_frac) * shard;
     const double on_device = (1 - optim_frac) * (8 + 4 * k) * shard;
     const double compute_copy = (e == 4 ? optim_frac : 1.0) * (1 - param_frac) * e * shard;
     out.master_bytes = e == 4 ? 0 : static_cast<uint64_t>(4 * shard);
@@ -553,8 +572,9 @@ class Gemini {
     out.host_bytes = static_cast<uint64_t>(on_host + param_frac * e * shard);
     out.formula =
         "device (1-f_optim)(8+4k)Ψ/G + compute copy eΨ/G of the chunks not on the host + "
-        "(1-f_shard)eΨ kept gathered + 3e·unit gathered; host f_optim(8 + 4k(1-f_nvme))Ψ/G "
-        "(+ f_param·eΨ/G); NVMe f_optim·f_nvme·4kΨ/G (G = world / extra_dp_size, f = the "
+        "(1-f_shard)eΨ kept gathered + 3e·unit gathered; host f_optim(8 + 4k - (4k + m)f_nvme)Ψ/G "
+        "(+ f_param·eΨ/G); NVMe f_optim·f_nvme·(4k + m)Ψ/G (m = 4 with nvme_offload_masters) (G = "
+        "world / extra_dp_size, f = the "
         "placement fractions)";
   }
 
@@ -619,6 +639,20 @@ class Gemini {
   float* GradPtr(const Chunk& c) const {
     return static_cast<float*>(banks_[c.bank].grads.data()) + c.base;
   }
+  // Moves chunk c's shard of fp32 bank buffer `b` (unmapped NVMe, or any tier) into or out of
+  // host memory `host`.
+  void MoveShard(const Buffer& b, const Chunk& c, void* host, cai_mem_direction direction) {
+    if (b.data() == nullptr) {  // unmapped
+      cai::sdk::Transfer::Start(b, Bytes(c.base, kF32), host, Bytes(c.shard, kF32), direction,
+                                false);
+      return;
+    }
+    float* at = static_cast<float*>(b.data()) + c.base;
+    Check(direction == CAI_MEM_INTO_BUFFER
+              ? Host().mempool->copy(at, host, Bytes(c.shard, kF32), nullptr)
+              : Host().mempool->copy(host, at, Bytes(c.shard, kF32), nullptr));
+  }
+  bool MasterOnNvme(const Chunk& c) const { return c.bank == kNvme && nvme_masters_; }
 
   // The chunk size (given or searched) and every trainable parameter's chunk: the root
   // parameters first, then the blocks' in unit order.
@@ -774,7 +808,8 @@ class Gemini {
          << Name(compute_) << " compute, " << shards_ << " shards x " << replicas_ << " replicas), "
          << psi_ << " trainable elements, " << waste_ << " of padding; state on device "
          << counts[kDevice] << ", host " << counts[kHost] << ", NVMe " << counts[kNvme]
-         << " chunks; " << kept << " kept gathered; " << root << " root; chunk sizes:";
+         << (nvme_masters_ ? " (masters too)" : "") << " chunks; " << kept << " kept gathered; "
+         << root << " root; chunk sizes:";
     for (const Chunk& c : chunks_) line << " " << c.capacity;
     cai::sdk::Log(CAI_LOG_INFO, line.str());
     if (!verbose_) return;
@@ -810,24 +845,29 @@ class Gemini {
     }
   }
 
-  // The NVMe chunks' update: each chunk's state slots read into one of two host staging
-  // buffers, the next chunk's read queued behind this one's write on the copy thread while
-  // this one updates.
-  void UpdateNvmeChunks(const std::vector<const Chunk*>& chunks, const std::vector<double>& used,
+  // The NVMe chunks' update: each chunk's state slots (and with nvme_offload_masters its
+  // master) read into one of two host staging buffers, the next chunk's read queued behind
+  // this one's write on the copy thread while this one updates.
+  void UpdateNvmeChunks(const std::vector<Chunk*>& chunks, const std::vector<double>& used,
                         const cai::sdk::StepDecision& d) {
     if (chunks.empty()) return;
-    const size_t slots = banks_[kNvme].nvme.size();
+    Bank& bank = banks_[kNvme];
+    std::vector<const Buffer*> segments;  // staged: slot 0, slot 1, ..., the master
+    for (const Buffer& b : bank.nvme) segments.push_back(&b);
+    if (nvme_masters_) segments.push_back(&bank.master);
     int64_t most = 0;
     for (const Chunk* c : chunks) most = std::max(most, c->shard);
-    const int64_t per_stage = most * static_cast<int64_t>(std::max<size_t>(slots, 1));
+    const auto per_stage = most * static_cast<int64_t>(std::max<size_t>(segments.size(), 1));
     std::array<Buffer, 2> stage;
-    for (Buffer& b : stage) b = Alloc(banks_[kNvme].tier, per_stage, kF32, "gemini.nvme_stage");
+    for (Buffer& b : stage) b = Alloc(bank.tier, per_stage, kF32, "gemini.nvme_stage");
+    auto staged = [&](int s, size_t segment) {
+      return static_cast<float*>(stage[s].data()) + segment * static_cast<size_t>(most);
+    };
     std::array<std::vector<cai::sdk::Transfer>, 2> io;
     auto submit = [&](const Chunk& c, int s, cai_mem_direction dir) {
       io[s].clear();
-      for (size_t k = 0; k < slots; ++k) {
-        io[s].push_back(cai::sdk::Transfer::Start(banks_[kNvme].nvme[k], Bytes(c.base, kF32),
-                                                  static_cast<float*>(stage[s].data()) + k * most,
+      for (size_t k = 0; k < segments.size(); ++k) {
+        io[s].push_back(cai::sdk::Transfer::Start(*segments[k], Bytes(c.base, kF32), staged(s, k),
                                                   Bytes(c.shard, kF32), dir, true));
         (dir == CAI_MEM_OUT_OF_BUFFER ? traffic_.nvme_read : traffic_.nvme_written) +=
             static_cast<double>(Bytes(c.shard, kF32));
@@ -845,16 +885,20 @@ class Gemini {
         wait(1 - s);  // the previous chunk's write-back out of the other stage
         submit(*chunks[i + 1], 1 - s, CAI_MEM_OUT_OF_BUFFER);
       }
-      const Chunk& c = *chunks[i];
+      Chunk& c = *chunks[i];
       ForEachPiece(c, used, [&](cai::sdk::FlatOptimizer::Piece& piece) {
+        const size_t at = piece.offset - static_cast<size_t>(c.base);
         float* states[4] = {};
-        for (size_t k = 0; k < slots; ++k) {
-          states[k] = static_cast<float*>(stage[s].data()) + k * most +
-                      (piece.offset - static_cast<size_t>(c.base));
-        }
-        cai::sdk::FlatOptimizer::Update(optimizer_, banks_[kNvme].device, piece, states, d.step,
+        for (size_t k = 0; k < bank.nvme.size(); ++k) states[k] = staged(s, k) + at;
+        if (nvme_masters_) piece.param = staged(s, bank.nvme.size()) + at;
+        cai::sdk::FlatOptimizer::Update(optimizer_, bank.device, piece, states, d.step,
                                         d.grad_scale);
       });
+      if (nvme_masters_) {
+        const cai_tensor master =
+            View(stage[s], kF32, most * static_cast<int64_t>(bank.nvme.size()), &c.shard);
+        RefreshCompute(c, &master);
+      }
       submit(c, s, CAI_MEM_INTO_BUFFER);
     }
     wait(0);
@@ -863,10 +907,18 @@ class Gemini {
 
   // The compute-dtype copy of chunk c's shard from its fp32 master (a host-held master is
   // cast on the host and copied over once, one transfer on an accelerator).
-  void RefreshCompute(Chunk& c) {
+  // `staged`: the master in host memory, where the bank's is unmapped (NVMe).
+  void RefreshCompute(Chunk& c, const cai_tensor* staged = nullptr) {
     if (c.compute < 0) return;
     const int64_t n = c.shard;
-    const cai_tensor master = View(banks_[c.bank].master, kF32, c.base, &c.shard);
+    Buffer fetched;
+    if (staged == nullptr && MasterOnNvme(c)) {
+      fetched = Alloc(CAI_MEM_HOST, n, kF32, "gemini.nvme_stage");
+      MoveShard(banks_[c.bank].master, c, fetched.data(), CAI_MEM_OUT_OF_BUFFER);
+    }
+    const cai_tensor master = staged          ? *staged
+                              : fetched.get() ? View(fetched, kF32, 0, &c.shard)
+                                              : View(banks_[c.bank].master, kF32, c.base, &c.shard);
     const Buffer& target = compute_bufs_[c.compute];
     const cai_tensor out = View(target, compute_, c.cbase, &c.shard);
     if (c.compute == 1 || c.bank == kDevice) {  // same tier
@@ -875,7 +927,7 @@ class Gemini {
     }
     void* dst = static_cast<char*>(target.data()) + Bytes(c.cbase, compute_);
     if (SameDtype(compute_, kF32)) {
-      Check(Host().mempool->copy(dst, MasterPtr(c), Bytes(n, kF32), nullptr));
+      Check(Host().mempool->copy(dst, master.data, Bytes(n, kF32), nullptr));
     } else {
       Buffer host = Alloc(banks_[c.bank].tier, n, compute_, "gemini.offload_param");
       RunKernel(CAI_KERNEL_COPY, &master, View(host, compute_, 0, &c.shard));
@@ -1046,26 +1098,23 @@ class Gemini {
 
   // ---- Checkpoints: the canonical layout, one chunk at a time -----------------------------
 
+  // The bank buffer holding chunk c's master (slot -1) or optimizer state slot k.
+  const Buffer& StateBuffer(const Chunk& c, int slot) const {
+    const Bank& bank = banks_[c.bank];
+    if (slot < 0) return bank.master;
+    return c.bank == kNvme ? bank.nvme[static_cast<size_t>(slot)]
+                           : bank.optim.state(static_cast<size_t>(slot));
+  }
+
   // This rank's fp32 shard of chunk c (slot -1: the master, else optimizer state slot k) on
   // the device: a view of device-held state, else a device copy in `staging`.
   cai_tensor DeviceShard(const Chunk& c, int slot, Buffer& staging) {
-    const Bank& bank = banks_[c.bank];
-    if (c.bank == kDevice) {
-      return slot < 0 ? View(bank.master, kF32, c.base, &c.shard)
-                      : bank.optim.View(static_cast<size_t>(slot), static_cast<size_t>(c.base),
-                                        &c.shard);
-    }
+    const Buffer& src = StateBuffer(c, slot);
+    if (c.bank == kDevice) return View(src, kF32, c.base, &c.shard);
+    Buffer host = Alloc(CAI_MEM_HOST, c.shard, kF32, "gemini.checkpoint");
+    MoveShard(src, c, host.data(), CAI_MEM_OUT_OF_BUFFER);
     staging = Alloc(CAI_MEM_DEVICE, c.shard, kF32, "gemini.checkpoint");
-    if (slot >= 0 && c.bank == kNvme) {
-      Buffer host = Alloc(bank.tier, c.shard, kF32, "gemini.checkpoint");
-      cai::sdk::Transfer::Start(bank.nvme[slot], Bytes(c.base, kF32), host.data(),
-                                Bytes(c.shard, kF32), CAI_MEM_OUT_OF_BUFFER, false);
-      Check(Host().mempool->copy(staging.data(), host.data(), staging.size(), nullptr));
-    } else {
-      const Buffer& src = slot < 0 ? bank.master : bank.optim.state(static_cast<size_t>(slot));
-      Check(Host().mempool->copy(staging.data(), static_cast<const float*>(src.data()) + c.base,
-                                 staging.size(), nullptr));
-    }
+    Check(Host().mempool->copy(staging.data(), host.data(), staging.size(), nullptr));
     return View(staging, kF32, 0, &c.shard);
   }
 
@@ -1097,7 +1146,6 @@ class Gemini {
   // Reads this rank's slice of every member of chunk c into a host shard, then puts it where
   // the chunk's state lives.
   void LoadChunk(const cai_checkpoint_args& args, const Chunk& c, int slot) {
-    const Bank& bank = banks_[c.bank];
     Buffer host = Alloc(CAI_MEM_HOST, c.shard, kF32, "gemini.checkpoint");
     const int64_t lo = Lo(c), hi = lo + c.shard;
     for (const Member& m : c.members) {
@@ -1111,14 +1159,7 @@ class Gemini {
       Check(
           Host().checkpoint->read_tensor(args.checkpoint, name.c_str(), a - m.offset, count, &dst));
     }
-    if (slot >= 0 && c.bank == kNvme) {
-      cai::sdk::Transfer::Start(bank.nvme[slot], Bytes(c.base, kF32), host.data(),
-                                Bytes(c.shard, kF32), CAI_MEM_INTO_BUFFER, false);
-      return;
-    }
-    const Buffer& dst = slot < 0 ? bank.master : bank.optim.state(static_cast<size_t>(slot));
-    Check(Host().mempool->copy(static_cast<float*>(dst.data()) + c.base, host.data(), host.size(),
-                               nullptr));
+    MoveShard(StateBuffer(c, slot), c, host.data(), CAI_MEM_INTO_BUFFER);
   }
 
   // Configuration.
@@ -1129,6 +1170,7 @@ class Gemini {
   int64_t min_chunk_ = 0;
   int64_t interval_ = 1024;
   double shard_frac_ = 1, optim_frac_ = 0, param_frac_ = 0, nvme_frac_ = 0;
+  bool nvme_masters_ = false;
   size_t max_prefetch_ = 0;
   double max_norm_ = 0;
   bool pin_ = false;

@@ -218,24 +218,33 @@ TEST(GeminiParity, TwoAndThreeRanks_HostPlacementMatchesReferenceAndLeavesTheDev
 }
 
 // The optimizer state of half the offloaded chunks on NVMe (unmapped files under
-// memory.nvme_dir): the NVMe tier holds exactly their two Adam slots, and training is exact.
-TEST(GeminiParity, ThreeRanks_NvmeOptimizerStateMatchesReference) {
+// memory.nvme_dir), and with nvme_offload_masters their fp32 masters too: the NVMe tier holds
+// exactly their two Adam slots (and masters), each step streams them through once, and
+// training is exact.
+TEST(GeminiParity, ThreeRanks_NvmeOptimizerStateAndMastersMatchReference) {
   const TrainRun& ref = Reference({});
-  const TrainRun run =
-      Gemini("nvme", 3,
-             {"plugin.gemini.offload_optim_frac=1.0", "plugin.gemini.nvme_offload_fraction=0.5"});
-  ExpectParity(ref, run);
-  const Layout l = LayoutOf(run);
-  ASSERT_GT(l.nvme, 0);
-  ASSERT_GT(l.host, 0);
-  double nvme_shard = 0;  // the last l.nvme chunks
-  for (size_t k = l.capacity.size() - static_cast<size_t>(l.nvme); k < l.capacity.size(); ++k) {
-    nvme_shard += static_cast<double>(l.capacity[k] / 3);
+  for (const bool masters : {false, true}) {
+    const TrainRun run =
+        Gemini(masters ? "nvme_masters" : "nvme", 3,
+               {"plugin.gemini.offload_optim_frac=1.0", "plugin.gemini.nvme_offload_fraction=0.5",
+                std::string("plugin.gemini.nvme_offload_masters=") + (masters ? "true" : "false")});
+    ExpectParity(ref, run);
+    const Layout l = LayoutOf(run);
+    ASSERT_GT(l.nvme, 0);
+    ASSERT_GT(l.host, 0);
+    double nvme_shard = 0;  // the last l.nvme chunks
+    for (size_t k = l.capacity.size() - static_cast<size_t>(l.nvme); k < l.capacity.size(); ++k) {
+      nvme_shard += static_cast<double>(l.capacity[k] / 3);
+    }
+    const double per_element = masters ? 12.0 : 8.0;
+    for (double peak : PerRank(run, "peak_bytes", "nvme")) {
+      EXPECT_EQ(peak, per_element * nvme_shard);
+    }
+    const std::string bytes = std::to_string(static_cast<int64_t>(per_element * nvme_shard));
+    EXPECT_NE(run.output.find("NVMe read " + bytes + " B, NVMe written " + bytes + " B"),
+              std::string::npos)
+        << run.output;
   }
-  for (double peak : PerRank(run, "peak_bytes", "nvme")) EXPECT_EQ(peak, 8.0 * nvme_shard);
-  EXPECT_NE(run.output.find("NVMe read " + std::to_string(static_cast<int64_t>(8 * nvme_shard))),
-            std::string::npos)
-      << run.output;
 }
 
 // shard_param_frac = 0.5: the first half of the chunks stay gathered (ZeRO-2 for them), the
@@ -340,8 +349,9 @@ TEST(GeminiParity, CheckpointsResumeAcrossWorldSizesChunkSizesAndStrategies) {
   const TrainRun& ref = Reference(sets);
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   std::vector<std::string> first_sets = sets;
-  for (const char* s : {"train.steps=3", "plugin.gemini.offload_optim_frac=1.0",
-                        "plugin.gemini.nvme_offload_fraction=0.5"}) {
+  for (const char* s :
+       {"train.steps=3", "plugin.gemini.offload_optim_frac=1.0",
+        "plugin.gemini.nvme_offload_fraction=0.5", "plugin.gemini.nvme_offload_masters=true"}) {
     first_sets.push_back(s);
   }
   const TrainRun first = Gemini("first", 2, first_sets);
@@ -397,6 +407,7 @@ TEST(GeminiParity, BadConfigurationsFailClearly) {
        {"plugin.gemini.offload_param_frac=0.5"},
        "offload_param_frac > 0 needs shard_param_frac = 1.0 and offload_optim_frac = 1.0"},
       {1, {"plugin.gemini.nvme_offload_fraction=0.5"}, "nvme_offload_fraction > 0 needs"},
+      {1, {"plugin.gemini.nvme_offload_masters=true"}, "nvme_offload_masters = true needs"},
       {2, {"plugin.gemini.extra_dp_size=3"}, "extra_dp_size = 3 does not divide the world size 2"},
       {1, {"plugin.gemini.shard_param_frac=1.5"}, "shard_param_frac"},
       {1, {"plugin.gemini.placement_policy=dynamic"}, "placement_policy"},

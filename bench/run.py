@@ -43,6 +43,14 @@ STRATEGIES = {  # name: (plugin, its [plugin.<name>] table, PyTorch peer)
     "zero2": ("low_level_zero", "stage = 2\n", "torch-zero"),
     "zero2-offload": ("low_level_zero", "stage = 2\ncpu_offload = true\n", "torch-zero"),
     "fsdp": ("fsdp", 'sharding_strategy = "FULL_SHARD"\n', "torch-zero"),
+    # Gemini with every chunk on the device; with every chunk's state and parameters on the
+    # host; with the optimizer state and masters on NVMe (the gradient shard and the compute
+    # copy stay in RAM).
+    "gemini": ("gemini", 'placement_policy = "static"\n', "torch-zero"),
+    "gemini-offload": ("gemini", "offload_optim_frac = 1.0\noffload_param_frac = 1.0\n",
+                       "torch-zero"),
+    "gemini-nvme": ("gemini", "offload_optim_frac = 1.0\nnvme_offload_fraction = 1.0\n"
+                    "nvme_offload_masters = true\n", "torch-zero"),
     # The reduce-scatter waited for in backward (before/after async_reduce_scatter).
     "fsdp-sync-rs": ("fsdp", 'sharding_strategy = "FULL_SHARD"\nasync_reduce_scatter = false\n',
                      "torch-zero"),
@@ -69,6 +77,10 @@ SIZES = {
                      n_embd=384, global_batch=8, seq_len=256, timeout=300),
     "gpt2-124m": dict(kind="gpt2", vocab_size=50304, n_ctx=1024, n_layer=12, n_head=12,
                       n_kv_head=0, n_embd=768, global_batch=8, seq_len=256, timeout=900),
+    # A ~30M GPT-2 whose blocks hold most of it (vocabulary 8192; Ψ = 29,627,392), for device
+    # budgets: with GPT-2's vocabulary the logits alone outgrow a quarter of the model states.
+    "gpt2-30m-v8k": dict(kind="gpt2", vocab_size=8192, n_ctx=256, n_layer=8, n_head=8,
+                         n_kv_head=0, n_embd=512, global_batch=8, seq_len=256, timeout=600),
     # Grouped-query attention with 3 query heads per key/value head; Ψ = 99,496,704.
     "llama-100m": dict(kind="llama", vocab_size=32000, n_ctx=256, n_layer=8, n_head=12,
                        n_kv_head=4, n_embd=768, global_batch=8, seq_len=256, timeout=900),

@@ -106,7 +106,9 @@ cai_tensor View(const Buffer& base, cai_dtype dtype, int64_t offset, const int64
 int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // Chunk capacities for parameters of `sizes` (in order; `root[i]` marks the ones that must not
-// share a chunk with the others) at capacity `c`, and the padding that costs.
+// share a chunk with the others) at capacity `c`, and the padding that costs. The last chunk
+// of each run of one kind holds only what it needs (rounded up to g): ColossalAI pads it to
+// the full capacity, which for a model smaller than the chunk size doubles its memory.
 struct Packing {
   std::vector<int64_t> chunk_of;  // per parameter
   std::vector<int64_t> capacity;  // per chunk
@@ -118,20 +120,22 @@ Packing Pack(const std::vector<int64_t>& sizes, const std::vector<bool>& root, i
   int64_t used = 0;
   bool open_root = false;
   bool open = false;
-  auto close = [&] {
-    if (open) p.waste += p.capacity.back() - used;
+  auto close = [&](bool last_of_kind) {
+    if (!open) return;
+    if (last_of_kind) p.capacity.back() = RoundUp(used, g);
+    p.waste += p.capacity.back() - used;
     open = false;
   };
   for (size_t i = 0; i < sizes.size(); ++i) {
     if (sizes[i] > c) {  // a chunk of its own
-      close();
+      close(true);
       p.capacity.push_back(RoundUp(sizes[i], g));
       p.waste += p.capacity.back() - sizes[i];
       p.chunk_of.push_back(static_cast<int64_t>(p.capacity.size()) - 1);
       continue;
     }
     if (!open || open_root != root[i] || used + sizes[i] > c) {
-      close();
+      close(open && open_root != root[i]);
       p.capacity.push_back(c);
       used = 0;
       open = true;
@@ -140,7 +144,7 @@ Packing Pack(const std::vector<int64_t>& sizes, const std::vector<bool>& root, i
     p.chunk_of.push_back(static_cast<int64_t>(p.capacity.size()) - 1);
     used += sizes[i];
   }
-  close();
+  close(true);
   return p;
 }
 
@@ -203,6 +207,11 @@ class Gemini {
                     "The NVMe chunks' fp32 master shards on NVMe too (ZeRO-Infinity's parameter "
                     "offload), streamed with their optimizer state; only the gradient shard and "
                     "the compute copy stay in RAM. Needs nvme_offload_fraction > 0."),
+            IntKey("nvme_stream_elements", "1048576",
+                   "Elements of a chunk's shard streamed through RAM at a time in the NVMe "
+                   "chunks' update (DeepSpeed's NVMe buffer size): two such pieces of every "
+                   "streamed slot are staged at once.",
+                   1024, 0, CAI_CONFIG_HAS_MIN),
             IntKey("max_prefetch", "0",
                    "Chunks whose all-gathers run ahead of use, along the order the first "
                    "micro-batch recorded; each costs one gathered chunk of memory.",
@@ -275,6 +284,7 @@ class Gemini {
                   "> 0: the masters go to NVMe with the optimizer state of the NVMe chunks");
     }
     max_prefetch_ = config.Int("max_prefetch");
+    stream_elements_ = config.Int("nvme_stream_elements");
     max_norm_ = config.Float("max_norm");
     pin_ = config.Bool("pin_memory");
     reduces_in_flight_ = config.Bool("enable_async_reduce") ? 1 : 0;
@@ -639,18 +649,20 @@ class Gemini {
   float* GradPtr(const Chunk& c) const {
     return static_cast<float*>(banks_[c.bank].grads.data()) + c.base;
   }
-  // Moves chunk c's shard of fp32 bank buffer `b` (unmapped NVMe, or any tier) into or out of
-  // host memory `host`.
-  void MoveShard(const Buffer& b, const Chunk& c, void* host, cai_mem_direction direction) {
+  // Moves elements [from, from + count) (count -1: to the end) of chunk c's shard of fp32
+  // bank buffer `b` (unmapped NVMe, or any tier) into or out of host memory `host`.
+  void MoveShard(const Buffer& b, const Chunk& c, void* host, cai_mem_direction direction,
+                 int64_t from = 0, int64_t count = -1) {
+    if (count < 0) count = c.shard - from;
     if (b.data() == nullptr) {  // unmapped
-      cai::sdk::Transfer::Start(b, Bytes(c.base, kF32), host, Bytes(c.shard, kF32), direction,
+      cai::sdk::Transfer::Start(b, Bytes(c.base + from, kF32), host, Bytes(count, kF32), direction,
                                 false);
       return;
     }
-    float* at = static_cast<float*>(b.data()) + c.base;
+    float* at = static_cast<float*>(b.data()) + c.base + from;
     Check(direction == CAI_MEM_INTO_BUFFER
-              ? Host().mempool->copy(at, host, Bytes(c.shard, kF32), nullptr)
-              : Host().mempool->copy(host, at, Bytes(c.shard, kF32), nullptr));
+              ? Host().mempool->copy(at, host, Bytes(count, kF32), nullptr)
+              : Host().mempool->copy(host, at, Bytes(count, kF32), nullptr));
   }
   bool MasterOnNvme(const Chunk& c) const { return c.bank == kNvme && nvme_masters_; }
 
@@ -845,18 +857,29 @@ class Gemini {
     }
   }
 
-  // The NVMe chunks' update: each chunk's state slots (and with nvme_offload_masters its
-  // master) read into one of two host staging buffers, the next chunk's read queued behind
-  // this one's write on the copy thread while this one updates.
+  // The NVMe chunks' update, streamed in pieces of at most nvme_stream_elements of a chunk's
+  // shard: each piece's state slots (and with nvme_offload_masters its master) read into one
+  // of two host staging buffers, the next piece's read queued behind this one's write on the
+  // copy thread while this one updates. RAM holds two pieces, whatever the chunk size.
   void UpdateNvmeChunks(const std::vector<Chunk*>& chunks, const std::vector<double>& used,
                         const cai::sdk::StepDecision& d) {
-    if (chunks.empty()) return;
+    struct Stream {
+      Chunk* c;
+      int64_t from, count;  // elements of the chunk's shard
+    };
+    std::vector<Stream> streams;
+    for (Chunk* c : chunks) {
+      for (int64_t from = 0; from < c->shard; from += stream_elements_) {
+        streams.push_back({c, from, std::min(stream_elements_, c->shard - from)});
+      }
+    }
+    if (streams.empty()) return;
     Bank& bank = banks_[kNvme];
     std::vector<const Buffer*> segments;  // staged: slot 0, slot 1, ..., the master
     for (const Buffer& b : bank.nvme) segments.push_back(&b);
     if (nvme_masters_) segments.push_back(&bank.master);
     int64_t most = 0;
-    for (const Chunk* c : chunks) most = std::max(most, c->shard);
+    for (const Stream& st : streams) most = std::max(most, st.count);
     const auto per_stage = most * static_cast<int64_t>(std::max<size_t>(segments.size(), 1));
     std::array<Buffer, 2> stage;
     for (Buffer& b : stage) b = Alloc(bank.tier, per_stage, kF32, "gemini.nvme_stage");
@@ -864,73 +887,85 @@ class Gemini {
       return static_cast<float*>(stage[s].data()) + segment * static_cast<size_t>(most);
     };
     std::array<std::vector<cai::sdk::Transfer>, 2> io;
-    auto submit = [&](const Chunk& c, int s, cai_mem_direction dir) {
+    auto submit = [&](const Stream& st, int s, cai_mem_direction dir) {
       io[s].clear();
       for (size_t k = 0; k < segments.size(); ++k) {
-        io[s].push_back(cai::sdk::Transfer::Start(*segments[k], Bytes(c.base, kF32), staged(s, k),
-                                                  Bytes(c.shard, kF32), dir, true));
+        io[s].push_back(cai::sdk::Transfer::Start(*segments[k], Bytes(st.c->base + st.from, kF32),
+                                                  staged(s, k), Bytes(st.count, kF32), dir, true));
         (dir == CAI_MEM_OUT_OF_BUFFER ? traffic_.nvme_read : traffic_.nvme_written) +=
-            static_cast<double>(Bytes(c.shard, kF32));
+            static_cast<double>(Bytes(st.count, kF32));
       }
     };
     auto wait = [&](int s) {
       for (cai::sdk::Transfer& t : io[s]) t.Wait();
       io[s].clear();
     };
-    submit(*chunks[0], 0, CAI_MEM_OUT_OF_BUFFER);
-    for (size_t i = 0; i < chunks.size(); ++i) {
+    submit(streams[0], 0, CAI_MEM_OUT_OF_BUFFER);
+    for (size_t i = 0; i < streams.size(); ++i) {
       const int s = static_cast<int>(i % 2);
       wait(s);
-      if (i + 1 < chunks.size()) {
-        wait(1 - s);  // the previous chunk's write-back out of the other stage
-        submit(*chunks[i + 1], 1 - s, CAI_MEM_OUT_OF_BUFFER);
+      if (i + 1 < streams.size()) {
+        wait(1 - s);  // the previous piece's write-back out of the other stage
+        submit(streams[i + 1], 1 - s, CAI_MEM_OUT_OF_BUFFER);
       }
-      Chunk& c = *chunks[i];
+      const Stream& st = streams[i];
+      Chunk& c = *st.c;
+      const auto lo = static_cast<size_t>(c.base + st.from);  // bank elements of this piece
+      const size_t hi = lo + static_cast<size_t>(st.count);
       ForEachPiece(c, used, [&](cai::sdk::FlatOptimizer::Piece& piece) {
-        const size_t at = piece.offset - static_cast<size_t>(c.base);
+        const size_t a = std::max(lo, piece.offset), b = std::min(hi, piece.offset + piece.count);
+        if (a >= b) return;
+        piece.param += a - piece.offset;
+        piece.grad = static_cast<const float*>(piece.grad) + (a - piece.offset);
+        piece.offset = a;
+        piece.count = b - a;
         float* states[4] = {};
-        for (size_t k = 0; k < bank.nvme.size(); ++k) states[k] = staged(s, k) + at;
-        if (nvme_masters_) piece.param = staged(s, bank.nvme.size()) + at;
+        for (size_t k = 0; k < bank.nvme.size(); ++k) states[k] = staged(s, k) + (a - lo);
+        if (nvme_masters_) piece.param = staged(s, bank.nvme.size()) + (a - lo);
         cai::sdk::FlatOptimizer::Update(optimizer_, bank.device, piece, states, d.step,
                                         d.grad_scale);
       });
       if (nvme_masters_) {
         const cai_tensor master =
-            View(stage[s], kF32, most * static_cast<int64_t>(bank.nvme.size()), &c.shard);
-        RefreshCompute(c, &master);
+            View(stage[s], kF32, most * static_cast<int64_t>(bank.nvme.size()), &st.count);
+        RefreshCompute(c, st.from, &st.count, &master);
       }
-      submit(c, s, CAI_MEM_INTO_BUFFER);
+      submit(st, s, CAI_MEM_INTO_BUFFER);
     }
     wait(0);
     wait(1);
   }
 
-  // The compute-dtype copy of chunk c's shard from its fp32 master (a host-held master is
-  // cast on the host and copied over once, one transfer on an accelerator).
-  // `staged`: the master in host memory, where the bank's is unmapped (NVMe).
-  void RefreshCompute(Chunk& c, const cai_tensor* staged = nullptr) {
+  // The compute-dtype copy of elements [from, from + *count) of chunk c's shard (all of it
+  // without `count`) from its fp32 master (a host-held master is cast on the host and copied
+  // over once, one transfer on an accelerator). `staged`: those elements of the master in
+  // host memory, where the bank's is unmapped (NVMe).
+  void RefreshCompute(Chunk& c, int64_t from = 0, const int64_t* count = nullptr,
+                      const cai_tensor* staged = nullptr) {
     if (c.compute < 0) return;
-    const int64_t n = c.shard;
+    if (count == nullptr) count = &c.shard;
+    const int64_t n = *count;
     Buffer fetched;
     if (staged == nullptr && MasterOnNvme(c)) {
       fetched = Alloc(CAI_MEM_HOST, n, kF32, "gemini.nvme_stage");
-      MoveShard(banks_[c.bank].master, c, fetched.data(), CAI_MEM_OUT_OF_BUFFER);
+      MoveShard(banks_[c.bank].master, c, fetched.data(), CAI_MEM_OUT_OF_BUFFER, from, n);
     }
-    const cai_tensor master = staged          ? *staged
-                              : fetched.get() ? View(fetched, kF32, 0, &c.shard)
-                                              : View(banks_[c.bank].master, kF32, c.base, &c.shard);
+    const cai_tensor master = staged ? *staged
+                              : fetched.get()
+                                  ? View(fetched, kF32, 0, count)
+                                  : View(banks_[c.bank].master, kF32, c.base + from, count);
     const Buffer& target = compute_bufs_[c.compute];
-    const cai_tensor out = View(target, compute_, c.cbase, &c.shard);
+    const cai_tensor out = View(target, compute_, c.cbase + from, count);
     if (c.compute == 1 || c.bank == kDevice) {  // same tier
       RunKernel(CAI_KERNEL_COPY, &master, out);
       return;
     }
-    void* dst = static_cast<char*>(target.data()) + Bytes(c.cbase, compute_);
+    void* dst = static_cast<char*>(target.data()) + Bytes(c.cbase + from, compute_);
     if (SameDtype(compute_, kF32)) {
       Check(Host().mempool->copy(dst, master.data, Bytes(n, kF32), nullptr));
     } else {
       Buffer host = Alloc(banks_[c.bank].tier, n, compute_, "gemini.offload_param");
-      RunKernel(CAI_KERNEL_COPY, &master, View(host, compute_, 0, &c.shard));
+      RunKernel(CAI_KERNEL_COPY, &master, View(host, compute_, 0, count));
       Check(Host().mempool->copy(dst, host.data(), Bytes(n, compute_), nullptr));
     }
     traffic_.to_device += static_cast<double>(Bytes(n, compute_));
@@ -1171,6 +1206,7 @@ class Gemini {
   int64_t interval_ = 1024;
   double shard_frac_ = 1, optim_frac_ = 0, param_frac_ = 0, nvme_frac_ = 0;
   bool nvme_masters_ = false;
+  int64_t stream_elements_ = 1 << 20;
   size_t max_prefetch_ = 0;
   double max_norm_ = 0;
   bool pin_ = false;

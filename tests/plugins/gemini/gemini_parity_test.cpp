@@ -227,6 +227,8 @@ TEST(GeminiParity, ThreeRanks_NvmeOptimizerStateAndMastersMatchReference) {
     const TrainRun run =
         Gemini(masters ? "nvme_masters" : "nvme", 3,
                {"plugin.gemini.offload_optim_frac=1.0", "plugin.gemini.nvme_offload_fraction=0.5",
+                // Shards of 1667 elements stream through RAM in two pieces.
+                "plugin.gemini.nvme_stream_elements=1024",
                 std::string("plugin.gemini.nvme_offload_masters=") + (masters ? "true" : "false")});
     ExpectParity(ref, run);
     const Layout l = LayoutOf(run);

@@ -18,7 +18,8 @@
 # - plain-SGD twins of parity tests (the optimizer's SGD path has its unit tests), the same
 #   strategy at more rank counts or bucket sizes, and the byte and memory accounting checks,
 #   which rerun a parity test's training to count;
-# - a second mixed-precision test of one strategy (its fp16 test keeps the casts and scaling).
+# - a second mixed-precision test of one strategy (its fp16 test keeps the casts and scaling);
+# - gemini's budget runs (its NVMe, host and auto placements are kept at small sizes).
 skip=(
   'Train\.DefaultJob_LearnsBelowStatedLoss' 'Shards/KillInSave\..*' 'Style_.*'
   'Sdk_ExamplePlugin_BuildsOutOfTree.*'
@@ -31,7 +32,7 @@ skip=(
   'FsdpParity\.(SaveFullOnTwoRanksResumeOnThree|SaveShardedOnThreeRanksResumeOnTwo|TwoAndThreeRanks_BufferDtype).*'
   'DdpParity\.Ddp_TwoRanks_AllReduceBytesEqualGradientBytes'
   'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama).*'
-  'GeminiParity\.(TwoRanks_ChunkSearch|FourRanks_ExtraDataParallel).*'
+  'GeminiParity\.(TwoRanks_ChunkSearch|FourRanks_ExtraDataParallel|Bf16AndFp16|TwoAndThreeRanks_HostPlacement).*' 'GeminiBudget\..*'
 )
 # usage: scripts/sanitize.sh [ctest arguments...]
 set -euo pipefail

@@ -33,6 +33,19 @@
 //                      chunk's state in, updates it and writes it back, the next chunk's read
 //                      running behind the update on the pool's copy thread.
 //
+// placement_policy = "auto" (ColossalAI's AutoPlacementPolicy, in the terms of this host):
+// without a device budget everything is on the device; under memory.device_budget the
+// optimizer state stays on the host (ColossalAI's default gpu_margin_mem_ratio = 0) and the
+// first step runs with the parameters' copies there too. When it ends the ranks agree on the
+// largest device peak (pool and LibTorch) any of them saw; the room below
+// steady_cuda_cap_ratio of the budget, less max_prefetch gathered chunks, takes chunks'
+// parameter copies onto the device (first chunks first), and what is left keeps gathered
+// chunks for reuse: a chunk released after use stays gathered if the cache has room or can
+// make it by evicting a chunk next needed later in the recorded order (Belady's rule, the
+// order the first micro-batch recorded); the cache empties at each step, whose update makes
+// the gathered copies stale. Every rank takes the same decisions (same chunks, same order,
+// same agreed capacity), so the collectives stay matched.
+//
 // One micro-batch: root chunks gathered and their gradient buffers zeroed; at a unit's
 // PRE_FORWARD its sharded chunks are all-gathered (compute dtype) into the parameters'
 // released storage, and released at the POST_FORWARD of the last unit they hold parameters of;
@@ -181,9 +194,18 @@ class Gemini {
                    0, 0, CAI_CONFIG_HAS_MIN),
             StringKey("placement_policy", "\"static\"",
                       "static: chunks placed by shard_param_frac, offload_optim_frac and "
-                      "offload_param_frac. auto (a memory tracer over warm-up steps) is not "
-                      "available yet and is refused.",
+                      "offload_param_frac. auto: under a device budget (memory.device_budget) "
+                      "the optimizer state stays on the host and the first step runs with the "
+                      "parameters there too, measuring the device's peak; then chunks' "
+                      "parameters move to the device while steady_cuda_cap_ratio of the budget "
+                      "allows, and what remains keeps gathered chunks for reuse, evicting the "
+                      "one needed furthest ahead in the recorded order. Without a budget, all "
+                      "on the device and every gathered chunk kept until the step.",
                       kPlacementPolicies),
+            FloatKey("steady_cuda_cap_ratio", "0.9",
+                     "auto: share of the device budget the placement after the first step may "
+                     "fill (ColossalAI's).",
+                     0, 1, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
             FloatKey("shard_param_frac", "1.0",
                      "Share of the chunks (by capacity, first chunks first) that are sharded "
                      "and gathered around use (ZeRO-3); the rest stay gathered on every rank "
@@ -246,11 +268,16 @@ class Gemini {
 
   explicit Gemini(const cai_create_args& args) : rank_(args.rank), world_(args.world_size) {
     cai::sdk::Config config(args.config);
-    if (config.String("placement_policy") == "auto") {
-      throw Error(CAI_UNIMPLEMENTED,
-                  "gemini: plugin.gemini.placement_policy = \"auto\" (the memory tracer and "
-                  "eviction along the recorded access order) is not implemented yet; use "
-                  "\"static\" with offload_optim_frac / offload_param_frac");
+    auto_ = config.String("placement_policy") == "auto";
+    cap_ratio_ = config.Float("steady_cuda_cap_ratio");
+    if (auto_ &&
+        (config.Float("shard_param_frac") != 1.0 || config.Float("offload_optim_frac") != 0.0 ||
+         config.Float("offload_param_frac") != 0.0 ||
+         config.Float("nvme_offload_fraction") != 0.0)) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "gemini: placement_policy = \"auto\" places the chunks itself; remove "
+                  "shard_param_frac, offload_optim_frac, offload_param_frac and "
+                  "nvme_offload_fraction, or use placement_policy = \"static\"");
     }
     if (!config.Bool("master_weights")) {
       throw Error(CAI_UNIMPLEMENTED,
@@ -314,12 +341,24 @@ class Gemini {
     if (model_) throw Error(CAI_FAILED_PRECONDITION, "gemini: boost was already called");
     model_ = args.model;
     optimizer_ = args.optimizer;
+    accumulation_ = std::max(1, args.grad_accumulation);
     compute_ = cai::sdk::ComputeDtype(args.precision);
     const bool mixed = !SameDtype(compute_, kF32);
     const auto& model = *Host().model;
     groups_ = cai::sdk::ShardGroups(rank_, world_, shards_);
     reducer_ = cai::sdk::ShardReducer(&groups_, reduces_in_flight_, &overlap_);
     PlanChunks();
+    if (auto_) {
+      // Under a budget the state starts on the host, the parameters too until the first step
+      // has shown what the device has room for; without one everything is on the device.
+      cai_mem_usage usage{};
+      usage.struct_size = CAI_MEM_USAGE_STRUCT_SIZE;
+      Check(Host().mempool->usage(CAI_MEM_DEVICE, &usage));
+      budget_ = usage.budget_bytes;
+      optim_frac_ = budget_ > 0 ? 1.0 : 0.0;
+      param_frac_ = optim_frac_;
+      cache_cap_ = budget_ > 0 ? 0 : UINT64_MAX;
+    }
     PlaceChunks(mixed);
 
     // Banks: the fp32 shards of the chunks of each placement, end to end.
@@ -391,6 +430,9 @@ class Gemini {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "gemini: forward_backward before boost");
     in_backward_ = false;
     backward_ = true;
+    // auto's warm-up: the device peak so far (boost included, which is conservative) is
+    // read when the first step ends.
+    if (auto_ && !warmed_up_) warming_up_ = true;
     BeginOrder();
     for (Chunk& c : chunks_) {
       if (c.root) {
@@ -412,6 +454,7 @@ class Gemini {
       recording_ = false;
       recorded_ = true;
     }
+    ++micro_batch_;
   }
 
   void Evaluate(const cai_micro_batch& batch) {
@@ -468,10 +511,14 @@ class Gemini {
         Gather(c);
       }
     }
+    micro_batch_ = 0;
+    DropCache();  // the gathered copies are of the weights before this update
+    if (warming_up_) FinishWarmUp();
   }
 
   void ZeroGrad() {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "gemini: zero_grad before boost");
+    micro_batch_ = 0;
     reducer_.Discard();
     for (Chunk& c : chunks_) {
       if (!c.grads.get()) continue;
@@ -517,6 +564,7 @@ class Gemini {
         Check(Host().checkpoint->read_tensor(args.checkpoint, ("model/" + ParamName(i)).c_str(), 0,
                                              0, &data));
       }
+      DropCache();
       for (Chunk& c : chunks_) RefreshCompute(c);
       for (Chunk& c : chunks_) {
         if (c.kept) {
@@ -545,10 +593,15 @@ class Gemini {
     stats.overlap_ratio = overlap_.ratio();
     const double steps = std::max<double>(1, epilogue_ ? epilogue_->step() : 1);
     std::ostringstream line;
-    line << "gemini: tier traffic per step: device->host " << traffic_.to_host / steps
-         << " B, host->device " << traffic_.to_device / steps << " B, NVMe read "
-         << traffic_.nvme_read / steps << " B, NVMe written " << traffic_.nvme_written / steps
+    auto per_step = [&](double bytes) { return static_cast<uint64_t>(bytes / steps); };
+    line << "gemini: tier traffic per step: device->host " << per_step(traffic_.to_host)
+         << " B, host->device " << per_step(traffic_.to_device) << " B, NVMe read "
+         << per_step(traffic_.nvme_read) << " B, NVMe written " << per_step(traffic_.nvme_written)
          << " B; peak gathered chunk bytes " << gathered_peak_;
+    if (auto_) {
+      line << "; gathered chunks reused " << cache_hits_ << " times, evicted " << cache_evictions_
+           << " times";
+    }
     cai::sdk::Log(CAI_LOG_INFO, line.str());
   }
 
@@ -614,6 +667,7 @@ class Gemini {
     Buffer staging;  // the device copy of a host-held compute shard, while gathering
     Buffer grads;    // capacity compute-dtype elements while backward accumulates
     bool released = true;
+    bool cached = false;  // auto: gathered and unused, kept for its next use
     cai::sdk::Work prefetch;
   };
   struct Bank {
@@ -1005,8 +1059,15 @@ class Gemini {
   // Gathers chunk c (waiting for its prefetch, if one runs) into its parameters' storage, and
   // with prefetch on, starts the next chunks' all-gathers along the recorded order.
   void Gather(Chunk& c) {
-    if (!c.released) return;
     const auto index = static_cast<int32_t>(&c - chunks_.data());
+    if (c.cached) {  // kept since its last use: a gather the recorded order counts
+      c.cached = false;
+      cache_bytes_ -= c.gathered.size();
+      ++cache_hits_;
+      FollowOrder(index);
+      return;
+    }
+    if (!c.released) return;
     if (c.prefetch.valid()) {
       c.prefetch.Wait();
       c.prefetch = cai::sdk::Work();
@@ -1019,7 +1080,15 @@ class Gemini {
       Check(Host().model->replace_param_storage(model_, m.param, &view));
     }
     c.released = false;
-    if (c.root || c.kept || max_prefetch_ == 0) return;
+    if (c.root || c.kept) return;
+    FollowOrder(index);
+  }
+
+  // A gather of chunk `index` (or a hit in the cache of gathered chunks): recorded in the
+  // first micro-batch; later, the position in the recorded order moves on and the next
+  // max_prefetch chunks' all-gathers start.
+  void FollowOrder(int32_t index) {
+    if (!Ordering()) return;
     if (recording_) {
       order_.push_back(index);
       return;
@@ -1035,12 +1104,142 @@ class Gemini {
       if (next.released && !next.prefetch.valid()) next.prefetch = StartGather(next, true);
     }
   }
+  bool Ordering() const { return max_prefetch_ > 0 || auto_; }
+
+  // How far ahead chunk `index` is next gathered in the recorded order (one micro-batch's),
+  // from the current position and on into the step's next micro-batch if one follows;
+  // SIZE_MAX when not again before the step (or when the order is not being followed).
+  size_t NextUse(int32_t index) const {
+    if (!following_) return SIZE_MAX;
+    for (size_t j = cursor_; j < order_.size(); ++j) {
+      if (order_[j] == index) return j - cursor_;
+    }
+    if (micro_batch_ + 1 >= accumulation_) return SIZE_MAX;
+    for (size_t j = 0; j < cursor_; ++j) {
+      if (order_[j] == index) return order_.size() - cursor_ + j;
+    }
+    return SIZE_MAX;
+  }
+
+  // Keeps chunk c gathered instead of releasing it, if the cache has room or can make it by
+  // evicting chunks needed later than c (Belady's rule); returns whether it did. Every rank
+  // decides alike: the same chunks, the same order, the same agreed capacity.
+  bool Cache(Chunk& c) {
+    if (cache_cap_ == 0 || c.root || c.kept || c.released || !c.gathered.get()) return false;
+    const uint64_t size = c.gathered.size();
+    if (size > cache_cap_) return false;
+    const size_t mine = NextUse(static_cast<int32_t>(&c - chunks_.data()));
+    if (following_ && mine == SIZE_MAX) return false;  // not gathered again before the step
+    while (cache_bytes_ + size > cache_cap_) {
+      if (!following_) return false;  // no order to choose a victim by
+      Chunk* victim = nullptr;
+      size_t furthest = 0;
+      for (Chunk& other : chunks_) {
+        if (!other.cached) continue;
+        const size_t next = NextUse(static_cast<int32_t>(&other - chunks_.data()));
+        if (!victim || next > furthest) {
+          victim = &other;
+          furthest = next;
+        }
+      }
+      if (victim == nullptr || furthest <= mine) return false;
+      Evict(*victim);
+      ++cache_evictions_;
+    }
+    c.cached = true;
+    cache_bytes_ += size;
+    return true;
+  }
+
+  void Evict(Chunk& c) {
+    c.cached = false;
+    cache_bytes_ -= c.gathered.size();
+    ReleaseParams(c, /*force=*/false, /*may_cache=*/false);
+  }
+
+  void DropCache() {
+    for (Chunk& c : chunks_) {
+      if (c.cached) Evict(c);
+    }
+  }
+
+  // auto, after the first step: the ranks agree on the most any of them had on the device
+  // (pool and LibTorch) in it; the room below steady_cuda_cap_ratio of the budget (less what
+  // max_prefetch gathers ahead) takes chunks' parameter copies onto the device, first chunks
+  // first, and what is left becomes the cache of gathered chunks.
+  void FinishWarmUp() {
+    warming_up_ = false;
+    warmed_up_ = true;
+    if (budget_ == 0) return;
+    cai_mem_usage usage{};
+    usage.struct_size = CAI_MEM_USAGE_STRUCT_SIZE;
+    Check(Host().mempool->usage(CAI_MEM_DEVICE, &usage));
+    std::vector<double> peak = {static_cast<double>(usage.total_peak_bytes)};
+    cai::sdk::AllReduceValues(peak, nullptr, CAI_REDUCE_MAX);
+    uint64_t largest = 0;
+    for (const Chunk& c : chunks_)
+      largest = std::max<uint64_t>(largest, Bytes(c.capacity, compute_));
+    double room = cap_ratio_ * static_cast<double>(budget_) - peak[0] -
+                  static_cast<double>(max_prefetch_ * largest);
+    // Parameter copies to the device, chunk by chunk while they fit.
+    std::vector<int> target(chunks_.size());
+    uint64_t promoted = 0;
+    int moved = 0;
+    for (size_t k = 0; k < chunks_.size(); ++k) {
+      const Chunk& c = chunks_[k];
+      target[k] = c.compute;
+      const auto bytes = static_cast<double>(Bytes(c.shard, compute_));
+      if (c.compute == 1 && room >= bytes) {
+        target[k] = 0;
+        room -= bytes;
+        promoted += static_cast<uint64_t>(bytes);
+        ++moved;
+      }
+    }
+    if (moved > 0) MoveComputeCopies(target);
+    cache_cap_ = room > 0 ? static_cast<uint64_t>(room) : 0;
+    std::ostringstream line;
+    line << "gemini: auto placement after the first step: device peak "
+         << static_cast<uint64_t>(peak[0]) << " B of a budget of " << budget_ << " B; " << moved
+         << " of " << chunks_.size() << " chunks' parameters (" << promoted
+         << " B) moved to the device; " << cache_cap_ << " B keep gathered chunks for reuse";
+    cai::sdk::Log(CAI_LOG_INFO, line.str());
+  }
+
+  // Re-lays the compute-dtype copies with chunk k's in compute_bufs_[target[k]].
+  void MoveComputeCopies(const std::vector<int>& target) {
+    std::array<int64_t, 2> numel{0, 0};
+    std::vector<int64_t> cbase(chunks_.size(), 0);
+    for (size_t k = 0; k < chunks_.size(); ++k) {
+      if (target[k] < 0) continue;
+      cbase[k] = numel[target[k]];
+      numel[target[k]] += chunks_[k].shard;
+    }
+    const cai_mem_tier host_tier = pin_ ? CAI_MEM_PINNED_HOST : CAI_MEM_HOST;
+    std::array<Buffer, 2> fresh;
+    for (int t = 0; t < 2; ++t) {
+      fresh[t] =
+          Alloc(t == 0 ? CAI_MEM_DEVICE : host_tier, numel[t], compute_, "gemini.param_compute");
+    }
+    for (size_t k = 0; k < chunks_.size(); ++k) {
+      Chunk& c = chunks_[k];
+      if (c.compute < 0) continue;
+      Check(Host().mempool->copy(
+          static_cast<char*>(fresh[target[k]].data()) + Bytes(cbase[k], compute_),
+          static_cast<char*>(compute_bufs_[c.compute].data()) + Bytes(c.cbase, compute_),
+          Bytes(c.shard, compute_), nullptr));
+      c.compute = target[k];
+      c.cbase = cbase[k];
+    }
+    compute_bufs_ = std::move(fresh);
+    compute_numel_ = numel;
+  }
 
   // The recorded gather order is taken from the first training micro-batch; later ones follow
   // it from the start.
   void BeginOrder() {
     cursor_ = 0;
-    if (max_prefetch_ == 0) return;
+    if (!Ordering()) return;
     if (!recorded_ && !recording_) {
       recording_ = true;
       order_.clear();
@@ -1049,14 +1248,16 @@ class Gemini {
   }
 
   // Releases chunk c's parameters (never a kept chunk's unless `force`) and its gathered
-  // memory.
-  void ReleaseParams(Chunk& c, bool force = false) {
+  // memory, unless (auto, `may_cache`) the cache of gathered chunks keeps it.
+  void ReleaseParams(Chunk& c, bool force = false, bool may_cache = true) {
     if (c.prefetch.valid()) {
       c.prefetch.Wait();
       c.prefetch = cai::sdk::Work();
       c.staging = Buffer();
     }
     if (c.kept && !force) return;
+    if (c.cached) return;
+    if (!force && may_cache && Cache(c)) return;
     if (!c.released) {
       for (const Member& m : c.members) {
         Check(Host().model->release_param_storage(model_, m.param));
@@ -1206,6 +1407,9 @@ class Gemini {
   int64_t interval_ = 1024;
   double shard_frac_ = 1, optim_frac_ = 0, param_frac_ = 0, nvme_frac_ = 0;
   bool nvme_masters_ = false;
+  bool auto_ = false;
+  double cap_ratio_ = 0.9;
+  uint64_t budget_ = 0;  // auto: the DEVICE tier's budget (0: none)
   int64_t stream_elements_ = 1 << 20;
   size_t max_prefetch_ = 0;
   double max_norm_ = 0;
@@ -1246,6 +1450,16 @@ class Gemini {
   uint64_t gathered_bytes_ = 0;
   uint64_t gathered_peak_ = 0;
   Traffic traffic_;
+
+  // auto: the cache of gathered chunks and the warm-up.
+  uint64_t cache_cap_ = 0;
+  int32_t accumulation_ = 1;  // micro-batches per step
+  int32_t micro_batch_ = 0;   // of this step, done
+  uint64_t cache_bytes_ = 0;
+  uint64_t cache_hits_ = 0;
+  uint64_t cache_evictions_ = 0;
+  bool warming_up_ = false;
+  bool warmed_up_ = false;
 
   // Prefetch along the recorded gather order.
   std::vector<int32_t> order_;

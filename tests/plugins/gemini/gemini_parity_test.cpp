@@ -291,6 +291,39 @@ TEST(GeminiParity, ThreeRanks_LlamaWithGqaAndActivationCheckpointingMatchesRefer
   ExpectParity(Reference(sets), Gemini("llama", 3, with));
 }
 
+// placement_policy = auto without a device budget: everything on the device, and a chunk
+// stays gathered from its first use to the step, so each block chunk is all-gathered once
+// per step (the root chunks once per micro-batch) instead of twice per micro-batch, exactly.
+TEST(GeminiParity, TwoAndThreeRanks_AutoKeepsChunksGatheredUntilTheStep) {
+  const std::vector<std::string> sets = {"train.global_batch=12", "train.grad_accum=2"};
+  const TrainRun& ref = Reference(sets);
+  for (int nproc : {2, 3}) {
+    std::vector<std::string> with = sets;
+    with.push_back("plugin.gemini.placement_policy=auto");
+    if (nproc == 3) with.push_back("plugin.gemini.max_prefetch=2");
+    const TrainRun run = Gemini("auto", nproc, with);
+    ExpectParity(ref, run);
+    const Layout l = LayoutOf(run);
+    ASSERT_FALSE(l.capacity.empty());
+    double gathered = 0;
+    for (size_t k = 0; k < l.capacity.size(); ++k) {
+      gathered +=
+          static_cast<double>(l.capacity[k] / nproc) * (static_cast<int>(k) < l.root ? 2 : 1);
+    }
+    for (double b : PerRank(run, "comm_bytes_per_step_mean", "all_gather")) {
+      EXPECT_EQ(b, 4.0 * gathered);
+    }
+  }
+}
+
+// ColossalAI's max_norm key clips in place of optimizer.max_grad_norm: the tiny job's 0.05
+// given to the plugin instead trains as the reference clipping at 0.05.
+TEST(GeminiParity, TwoRanks_MaxNormClipsAsTheJobsClipping) {
+  const TrainRun& ref = Reference({});
+  ExpectParity(ref,
+               Gemini("max_norm", 2, {"optimizer.max_grad_norm=0", "plugin.gemini.max_norm=0.05"}));
+}
+
 // extra_dp_size = 2 at 4 ranks: chunks sharded over 2 ranks, replicated twice.
 TEST(GeminiParity, FourRanks_ExtraDataParallelMatchesReference) {
   const TrainRun& ref = Reference({});
@@ -403,7 +436,9 @@ TEST(GeminiParity, CheckpointsResumeAcrossWorldSizesChunkSizesAndStrategies) {
 // Bad configurations fail before training, naming the key and what to do.
 TEST(GeminiParity, BadConfigurationsFailClearly) {
   const std::vector<std::tuple<int, std::vector<std::string>, std::string>> cases = {
-      {1, {"plugin.gemini.placement_policy=auto"}, "placement_policy = \"auto\""},
+      {1,
+       {"plugin.gemini.placement_policy=auto", "plugin.gemini.offload_optim_frac=0.5"},
+       "placement_policy = \"auto\" places the chunks itself"},
       {1, {"plugin.gemini.master_weights=false"}, "master_weights = false is not supported"},
       {1,
        {"plugin.gemini.offload_param_frac=0.5"},
@@ -472,6 +507,25 @@ TEST(GeminiBudget, TwoRanks_QuarterOfModelStatesTrainsWhereFsdpAndZeroRunOutOfMe
   for (double peak : peaks) {
     EXPECT_LE(peak, static_cast<double>(budget));
     EXPECT_GT(peak, 0.5 * static_cast<double>(budget));  // the budget is what binds
+  }
+
+  // auto under the same budget: the first step with the parameters on the host, then as
+  // many chunks' parameters on the device as the measured peak leaves room for.
+  std::vector<std::string> automatic = kBudgetModel;
+  for (const char* s : {"plugin.gemini.placement_policy=auto", "plugin.gemini.hidden_dim=256",
+                        "plugin.gemini.min_chunk_size_m=0.18", "plugin.gemini.search_range_m=0.1",
+                        "plugin.gemini.enable_async_reduce=false"}) {
+    automatic.push_back(s);
+  }
+  automatic.push_back("memory.device_budget=" + std::to_string(budget));
+  const TrainRun by_auto = Gemini("auto", 2, automatic);
+  ExpectParity(ref, by_auto);
+  EXPECT_NE(by_auto.output.find("auto placement after the first step"), std::string::npos)
+      << by_auto.output;
+  for (size_t at = by_auto.summary.find(key); at != std::string::npos;
+       at = by_auto.summary.find(key, at + 1)) {
+    EXPECT_LE(cai::testing::JsonNumber(by_auto.summary, "device_total_peak_bytes", at),
+              static_cast<double>(budget));
   }
 
   const std::vector<std::pair<std::string, std::vector<std::string>>> others = {

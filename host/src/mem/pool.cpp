@@ -205,6 +205,8 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
       trimmed = TakeCached(t);
     }
     u.current_bytes += bytes;
+    t.live_capacity += capacity;
+    t.max_live_capacity = std::max(t.max_live_capacity, t.live_capacity);
     u.peak_bytes = std::max(u.peak_bytes, u.current_bytes);
     u.total_peak_bytes = std::max(u.total_peak_bytes, u.current_bytes + u.framework_bytes);
     ++u.num_allocations;
@@ -230,6 +232,7 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
       delete block;
       std::lock_guard lock(t.mu);
       t.usage.current_bytes -= bytes;
+      t.live_capacity -= capacity;
       --t.usage.num_allocations;
       throw;
     }
@@ -250,8 +253,14 @@ void MemoryPool::Free(cai_buffer* buffer) {
   {
     std::lock_guard lock(t.mu);
     t.usage.current_bytes -= buffer->bytes;
+    t.live_capacity -= buffer->capacity;
     --t.usage.num_allocations;
-    if (buffer->fd < 0) {
+    // Kept for reuse only while the blocks in use and cached together stay within the most
+    // ever in use: one block per size class and concurrent use, without a bound, holds the
+    // sum of every class's peak, which a strategy whose buffer sizes vary (ZeRO-3's chunks,
+    // staging of several sizes) sees grow step after step.
+    if (buffer->fd < 0 &&
+        t.live_capacity + t.usage.cached_bytes + buffer->capacity <= t.max_live_capacity) {
       t.usage.cached_bytes += buffer->capacity;
       t.cached.emplace(buffer->capacity, buffer);
       return;

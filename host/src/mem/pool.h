@@ -13,6 +13,9 @@
 // Freed blocks are cached by size class (rounded up by at most 1/8, and at most 2 MiB) and
 // handed out again for requests of the same class; cached bytes are reported apart and are
 // returned to the system when a tier with a budget would otherwise hold more than its budget.
+// A freed block is cached only while the tier's blocks in use and cached together stay within
+// the most it ever had in use (else it goes back to the system at once), so the cache never
+// makes a tier hold more than its peak.
 //
 // The DEVICE tier's budget also covers what LibTorch allocates on the device for itself
 // (activations, temporaries, the model's own tensors), charged through ChargeFramework by the
@@ -133,6 +136,8 @@ class MemoryPool {
     mutable std::mutex mu;
     TierUsage usage;
     std::unordered_multimap<size_t, cai_buffer*> cached;  // by capacity
+    uint64_t live_capacity = 0;      // capacity of the blocks in use
+    uint64_t max_live_capacity = 0;  // the most it ever was (reset_peak leaves it)
   };
 
   Tier& At(cai_mem_tier tier);

@@ -130,6 +130,30 @@ TEST(MemPool, FreedBlock_IsReusedForSameSizeClass) {
   pool.Free(c);
 }
 
+// The cache never makes a tier hold more than the most it had in use: a freed block of a
+// class the cache cannot spare room for goes back to the system.
+TEST(MemPool, FreedBlocks_AreCachedOnlyWithinTheTiersPeak) {
+  MemoryPool pool;
+  cai_buffer* a = pool.Allocate(CAI_MEM_HOST, 1 << 20);
+  cai_buffer* b = pool.Allocate(CAI_MEM_HOST, 1 << 20);
+  pool.Free(a);
+  pool.Free(b);
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).cached_bytes, 2u << 20);  // both: the peak was 2 MiB
+  // 3 MiB in use (the 2 MiB cached are not reusable for this class): the peak becomes 3 MiB,
+  // and with 2 MiB cached, caching this block would hold 5.
+  pool.Free(pool.Allocate(CAI_MEM_HOST, 3 << 20));
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).cached_bytes, 2u << 20);
+  // Three 1 MiB blocks in use at once make that peak again: all three may be cached.
+  cai_buffer* c = pool.Allocate(CAI_MEM_HOST, 1 << 20);  // a cached one
+  cai_buffer* d = pool.Allocate(CAI_MEM_HOST, 1 << 20);  // the other
+  cai_buffer* e = pool.Allocate(CAI_MEM_HOST, 1 << 20);  // fresh: 3 MiB in use
+  pool.Free(c);
+  pool.Free(d);
+  pool.Free(e);
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).cached_bytes, 3u << 20);
+  pool.ReleaseCached(CAI_MEM_HOST);
+}
+
 TEST(MemPool, CachedBlocks_AreReleasedRatherThanExceedBudget) {
   MemoryPool pool;
   pool.SetBudget(CAI_MEM_DEVICE, 4 << 20);

@@ -44,11 +44,13 @@ STRATEGIES = {  # name: (plugin, its [plugin.<name>] table, PyTorch peer)
     "zero2-offload": ("low_level_zero", "stage = 2\ncpu_offload = true\n", "torch-zero"),
     "fsdp": ("fsdp", 'sharding_strategy = "FULL_SHARD"\n', "torch-zero"),
     # Gemini with every chunk on the device; with every chunk's state and parameters on the
-    # host; with the optimizer state and masters on NVMe (the gradient shard and the compute
-    # copy stay in RAM).
+    # host; with the state (masters, gradients, optimizer state) on the host; with the
+    # optimizer state and masters on NVMe (the gradient shard and the compute copy stay in RAM,
+    # as in gemini-host: the two differ by what NVMe takes out of RAM, 12Ψ/N with Adam).
     "gemini": ("gemini", 'placement_policy = "static"\n', "torch-zero"),
     "gemini-offload": ("gemini", "offload_optim_frac = 1.0\noffload_param_frac = 1.0\n",
                        "torch-zero"),
+    "gemini-host": ("gemini", "offload_optim_frac = 1.0\n", "torch-zero"),
     "gemini-nvme": ("gemini", "offload_optim_frac = 1.0\nnvme_offload_fraction = 1.0\n"
                     "nvme_offload_masters = true\n", "torch-zero"),
     # The reduce-scatter waited for in backward (before/after async_reduce_scatter).

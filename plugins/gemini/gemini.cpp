@@ -905,7 +905,8 @@ class Gemini {
       piece.group = m.group;
       piece.offset = static_cast<size_t>(c.base + (a - lo));
       piece.count = static_cast<size_t>(b - a);
-      piece.param = MasterPtr(c) + (a - lo);
+      // An unmapped (NVMe) master has no address: the update stages it and sets `param`.
+      piece.param = MasterOnNvme(c) ? nullptr : MasterPtr(c) + (a - lo);
       piece.grad = GradPtr(c) + (a - lo);
       fn(piece);
     }
@@ -969,7 +970,7 @@ class Gemini {
       ForEachPiece(c, used, [&](cai::sdk::FlatOptimizer::Piece& piece) {
         const size_t a = std::max(lo, piece.offset), b = std::min(hi, piece.offset + piece.count);
         if (a >= b) return;
-        piece.param += a - piece.offset;
+        if (piece.param != nullptr) piece.param += a - piece.offset;
         piece.grad = static_cast<const float*>(piece.grad) + (a - piece.offset);
         piece.offset = a;
         piece.count = b - a;

@@ -136,7 +136,7 @@ class MemoryPool {
     mutable std::mutex mu;
     TierUsage usage;
     std::unordered_multimap<size_t, cai_buffer*> cached;  // by capacity
-    uint64_t live_capacity = 0;      // capacity of the blocks in use
+    uint64_t live_capacity = 0;                           // capacity of the blocks in use
     uint64_t max_live_capacity = 0;  // the most it ever was (reset_peak leaves it)
   };
 

@@ -108,8 +108,9 @@ size_t Bytes(int64_t numel, cai_dtype dtype) {
   return static_cast<size_t>(numel) * cai::sdk::ElementSize(dtype);
 }
 
+// A zero-filled buffer of `numel` elements (the SDK's AllocFlat, for the signed counts used here).
 Buffer Alloc(cai_mem_tier tier, int64_t numel, cai_dtype dtype, const char* tag) {
-  return Buffer::Alloc(tier, std::max<size_t>(Bytes(numel, dtype), 1), tag, /*zero_fill=*/true);
+  return cai::sdk::AllocFlat(tier, static_cast<size_t>(numel), dtype, tag);
 }
 
 cai_tensor View(const Buffer& base, cai_dtype dtype, int64_t offset, const int64_t* numel) {

@@ -1,11 +1,23 @@
-// libcai_hybrid_parallel: pipeline parallelism with data parallelism across pipelines, as
-// ColossalAI's HybridParallelPlugin (tensor and sequence parallelism are still refused: tp_size
-// and sp_size must be 1).
+// libcai_hybrid_parallel: tensor and pipeline parallelism with data parallelism across the
+// replicas, as ColossalAI's HybridParallelPlugin (sequence parallelism is still refused:
+// sp_size must be 1).
 //
-// Mesh. The world is pp_size × dp_size ranks, pipeline stages innermost (ColossalAI's
-// dp-outside order): world rank = dp_rank · pp_size + pp_rank. A pipeline is pp_size
-// consecutive ranks; a data-parallel group holds the ranks of one stage position across the
-// pipelines.
+// Mesh. The world is dp_size × pp_size × tp_size ranks, tensor parallelism innermost
+// (ColossalAI's dp-outside order): world rank = (dp_rank · pp_size + pp_rank) · tp_size +
+// tp_rank. A tensor-parallel group is tp_size consecutive ranks; a pipeline holds one rank of
+// each stage's group; a data-parallel group holds the ranks of one (stage, tp rank) position
+// across the replicas.
+//
+// Tensor parallelism is the host's (apply_tensor_parallel, at boost, before anything else):
+// each rank keeps its slices of the split parameters and the model all-reduces inside forward
+// and backward, so the rest of this plugin sees a smaller model. Parameters whole on every rank
+// of a group get the same gradient on each: only tp rank 0 counts them in the gradient norm.
+// Checkpoints gather the slices into whole tensors (sdk::TensorParallelIo).
+//
+// Shardformer's optimisations are the host's kernels too (enable_kernels): the enable_* keys
+// turn them on whatever the model.* keys say, and num_ckpt_layers_per_stage /
+// gradient_checkpointing_ratio pick the blocks of each of this rank's stages that recompute
+// (set_unit_checkpointing).
 //
 // Stages. The model's transformer blocks are spread over S = pp_size · num_model_chunks
 // virtual stages (ColossalAI's distribute_layers: an even split, the remainder given to the
@@ -49,8 +61,10 @@
 #include <cai/sdk/collectives.hpp>
 #include <cai/sdk/flat.hpp>
 #include <cai/sdk/step.hpp>
+#include <cai/sdk/tensor_parallel.hpp>
 #include <cai/sdk/zero.hpp>
 #include <chrono>
+#include <cmath>
 #include <deque>
 #include <map>
 #include <numeric>
@@ -128,7 +142,7 @@ class HybridParallel {
   static constexpr const char* kVersion = "0.1.0";
   static constexpr uint64_t kCapabilities = CAI_CAP_PRECISION_FP32 | CAI_CAP_PRECISION_BF16 |
                                             CAI_CAP_PRECISION_FP16 | CAI_CAP_NO_SYNC |
-                                            CAI_CAP_PIPELINE;
+                                            CAI_CAP_PIPELINE | CAI_CAP_TENSOR_PARALLEL;
 
   // HybridParallelPlugin's keys with its defaults where they exist.
   static std::span<const cai_config_key> ConfigKeys() {
@@ -139,8 +153,41 @@ class HybridParallel {
     constexpr uint64_t kMin = CAI_CONFIG_HAS_MIN;
     static constexpr auto kKeys = sdk::JoinKeys(
         std::array{
-            IntKey("tp_size", "1", "Tensor-parallel degree; only 1 until tensor parallelism lands.",
+            IntKey("tp_size", "1",
+                   "Tensor-parallel degree (Megatron-LM's column/row-parallel layers, the "
+                   "vocabulary split over the group); must divide the heads, key/value heads and "
+                   "MLP width.",
                    1, 0, kMin),
+            BoolKey("parallel_output", "true",
+                    "tp_size > 1: keep the logits split over the vocabulary and compute a "
+                    "distributed cross-entropy; false all-gathers them before the loss."),
+            IntKey("make_vocab_size_divisible_by", "64",
+                   "tp_size > 1: pad the vocabulary to a multiple of this times tp_size (padding "
+                   "rows are zeros that never train and are not saved).",
+                   1, 0, kMin),
+            BoolKey("enable_all_optimization", "false",
+                    "All of enable_fused_normalization, enable_flash_attention and "
+                    "enable_jit_fused (ColossalAI's Shardformer optimisations)."),
+            BoolKey("enable_fused_normalization", "false",
+                    "Llama's RMSNorm in one pass keeping only its input and 1/rms (GPT-2's "
+                    "LayerNorm is ATen's fused kernel already); as model.fused_normalization."),
+            BoolKey("enable_flash_attention", "false",
+                    "Memory-efficient attention: causal attention tiled with an online softmax, "
+                    "O(T·d) memory instead of the T×T scores (the host's kernel: no "
+                    "FlashAttention exists on the CPU); as model.memory_efficient_attention."),
+            BoolKey("enable_jit_fused", "false",
+                    "bias + GELU (GPT-2) and SwiGLU (Llama) in one pass each way; as "
+                    "model.fused_activation."),
+            StringKey("num_ckpt_layers_per_stage", "\"\"",
+                      "Activation checkpointing (ColossalAI's gradient_checkpoint_config): the "
+                      "first N transformer blocks of each virtual stage recompute their forward "
+                      "in backward; one number for every stage or one per stage, "
+                      "comma-separated. Empty: gradient_checkpointing_ratio decides."),
+            FloatKey("gradient_checkpointing_ratio", "0.0",
+                     "The share of each virtual stage's blocks that recompute (rounded to the "
+                     "nearest block), when num_ckpt_layers_per_stage is empty; 0 leaves "
+                     "model.activation_checkpointing in charge.",
+                     0, 1, kMin | CAI_CONFIG_HAS_MAX),
             IntKey("sp_size", "1",
                    "Sequence-parallel degree; only 1 until sequence parallelism lands.", 1, 0,
                    kMin),
@@ -200,21 +247,35 @@ class HybridParallel {
   explicit HybridParallel(const cai_create_args& args)
       : world_rank_(args.rank), world_(args.world_size) {
     sdk::Config config(args.config);
-    if (config.Int("tp_size") != 1 || config.Int("sp_size") != 1) {
+    if (config.Int("sp_size") != 1) {
       throw Error(CAI_UNIMPLEMENTED,
-                  "hybrid_parallel: tp_size and sp_size must be 1: tensor and sequence "
-                  "parallelism are not in this version yet; use pp_size and data parallelism");
+                  "hybrid_parallel: sp_size must be 1: sequence parallelism is not in this "
+                  "version yet; use tp_size, pp_size and data parallelism");
     }
+    tp_ = static_cast<int32_t>(config.Int("tp_size"));
     pp_ = static_cast<int32_t>(config.Int("pp_size"));
-    if (world_ % pp_ != 0) {
+    if (world_ % (pp_ * tp_) != 0) {
       throw Error(CAI_INVALID_ARGUMENT,
-                  "hybrid_parallel: pp_size = " + std::to_string(pp_) +
-                      " does not divide the world of " + std::to_string(world_) +
-                      " ranks; use a divisor of it (the rest of the world is data parallelism)");
+                  "hybrid_parallel: pp_size x tp_size = " + std::to_string(pp_) + " x " +
+                      std::to_string(tp_) + " does not divide the world of " +
+                      std::to_string(world_) +
+                      " ranks; use divisors of it (the rest of the world is data parallelism)");
     }
-    dp_ = world_ / pp_;
-    pp_rank_ = world_rank_ % pp_;
-    dp_rank_ = world_rank_ / pp_;
+    dp_ = world_ / (pp_ * tp_);
+    tp_rank_ = world_rank_ % tp_;
+    pp_rank_ = (world_rank_ / tp_) % pp_;
+    dp_rank_ = world_rank_ / (tp_ * pp_);
+    parallel_output_ = config.Bool("parallel_output");
+    const bool all = config.Bool("enable_all_optimization");
+    kernels_ =
+        (all || config.Bool("enable_fused_normalization") ? CAI_MODEL_KERNEL_FUSED_NORMALIZATION
+                                                          : 0) |
+        (all || config.Bool("enable_flash_attention") ? CAI_MODEL_KERNEL_MEMORY_EFFICIENT_ATTENTION
+                                                      : 0) |
+        (all || config.Bool("enable_jit_fused") ? CAI_MODEL_KERNEL_FUSED_ACTIVATION : 0);
+    ckpt_layers_text_ = config.String("num_ckpt_layers_per_stage");
+    ckpt_ratio_ = config.Float("gradient_checkpointing_ratio");
+    vocab_divisible_by_ = config.Int("make_vocab_size_divisible_by");
     interleaved_ = config.String("pp_style") == "interleaved";
     chunks_ = static_cast<int32_t>(config.Int("num_model_chunks"));
     if (chunks_ > 1 && !interleaved_) {
@@ -294,8 +355,18 @@ class HybridParallel {
     }
     sdk::RequireFp32Params(model_, kName);
     MakeGroups();
+    if (tp_ > 1) ApplyTensorParallel();
     PlanStages();
+    ConfigureModel();
     const uint32_t num_params = Host().model->num_params(model_);
+    // A parameter whole on every rank of a tensor-parallel group (norms, biases after a
+    // row-parallel projection, learned positions) gets the same gradient on each: the group's
+    // rank 0 alone counts it in the gradient norm.
+    for (uint32_t p = 0; p < num_params && tp_rank_ != 0; ++p) {
+      if (needed_[p] && counted_[p] && sdk::ParamInfo(model_, p).tp_dim < 0) {
+        not_counted_.push_back(p);
+      }
+    }
 
     // Every rank of a data-parallel group starts from its rank 0's values of what the stage
     // holds; a parameter several stages hold, from its holder.
@@ -338,7 +409,7 @@ class HybridParallel {
     if (precision_ == CAI_PRECISION_FP16) epilogue_->EnableLossScaling(scaler_config_);
 
     std::ostringstream line;
-    line << "hybrid_parallel: pp " << pp_ << " x dp " << dp_ << ", "
+    line << "hybrid_parallel: dp " << dp_ << " x pp " << pp_ << " x tp " << tp_ << ", "
          << (interleaved_ ? "interleaved" : "1f1b") << " over " << microbatches_
          << " micro-batches, zero_stage " << zero_stage_ << "; pipeline rank " << pp_rank_
          << " runs";
@@ -353,7 +424,7 @@ class HybridParallel {
   void ParallelLayout(cai_parallel_layout& out) {
     out.data_parallel_rank = dp_rank_;
     out.data_parallel_size = dp_;
-    out.reports_loss = pp_rank_ == pp_ - 1;
+    out.reports_loss = pp_rank_ == pp_ - 1 && tp_rank_ == 0;
     out.pipelines = pp_ > 1;
   }
 
@@ -486,40 +557,50 @@ class HybridParallel {
     }
   }
 
-  // The canonical layout: each stage's data-parallel rank 0 writes what its stage holds.
+  // The canonical layout: each stage's data-parallel rank 0 writes what its stage holds; with
+  // tensor parallelism the slices are gathered over the group and its rank 0 writes them whole.
   void Save(const cai_checkpoint_args& args) {
     const bool writer = dp_rank_ == 0;
     auto writes = [&](uint32_t p) { return counted_[p] != 0; };
+    const sdk::ParamIo& io = tp_io_ ? *tp_io_ : sdk::DirectIo();
     if (replica_) {
-      if (writer) replica_->Save(args, writes);
+      if (writer) replica_->Save(args, writes, io);
     } else {
-      zero_->Save(args, writer, writes);
+      zero_->Save(args, writer, writes, io);
     }
     if (writer && args.model) {
       for (uint32_t p : sdk::OwnedParams(model_, /*trainable=*/false)) {
         if (!writes(p)) continue;
+        const cai_param_info info = sdk::ParamInfo(model_, p);
         cai_tensor data{};
         Check(Host().model->param_data(model_, p, &data));
-        sdk::WriteAsFp32(args.checkpoint, "model/" + std::string(sdk::ParamInfo(model_, p).name),
-                         data);
+        int64_t n = info.numel;
+        cai_tensor flat = data;
+        flat.ndim = 1;
+        flat.shape = &n;
+        static int64_t unit_stride = 1;
+        flat.strides = &unit_stride;
+        io.Write(args.checkpoint, "model/" + std::string(info.name), p, flat,
+                 std::span<const int64_t>(info.shape, info.ndim));
       }
     }
     if (world_rank_ == 0 && args.optimizer) epilogue_->Save(args.checkpoint, kName);
   }
 
   void Load(const cai_checkpoint_args& args) {
+    const sdk::ParamIo& io = tp_io_ ? *tp_io_ : sdk::DirectIo();
     if (replica_) {
-      replica_->Load(args);
+      replica_->Load(args, io);
     } else {
-      zero_->Load(args);
+      zero_->Load(args, io);
     }
     if (args.model) {
       for (uint32_t p : sdk::OwnedParams(model_, /*trainable=*/false)) {
         if (!needed_[p]) continue;
         cai_tensor data{};
         Check(Host().model->param_data(model_, p, &data));
-        const std::string name = "model/" + std::string(sdk::ParamInfo(model_, p).name);
-        Check(Host().checkpoint->read_tensor(args.checkpoint, name.c_str(), 0, 0, &data));
+        io.Read(args.checkpoint, "model/" + std::string(sdk::ParamInfo(model_, p).name), p, 0, 0,
+                data);
       }
     }
     if (args.optimizer) epilogue_->Load(args.checkpoint, kName);
@@ -538,16 +619,18 @@ class HybridParallel {
     }
   }
 
-  // Per pipeline rank: an even share 1/pp_size of the model states (the tied embedding and
-  // uneven splits add to it), the optimizer state and masters 1/dp with ZeRO.
+  // Per rank: an even share 1/(pp_size · tp_size) of the model states (the tied embedding,
+  // uneven splits and the parameters tensor parallelism keeps whole add to it), the optimizer
+  // state and masters 1/dp with ZeRO.
   static void EstimateMemory(const cai_memory_estimate_args& args, cai_memory_estimate& out) {
     sdk::Config config(args.config);
     const uint64_t pp = args.config ? static_cast<uint64_t>(config.Int("pp_size")) : 1;
+    const uint64_t tp = args.config ? static_cast<uint64_t>(config.Int("tp_size")) : 1;
     const int zero = args.config ? static_cast<int>(config.Int("zero_stage")) : 0;
     const uint64_t world = static_cast<uint64_t>(std::max(1, args.world_size));
-    const uint64_t dp = std::max<uint64_t>(1, world / pp);
+    const uint64_t dp = std::max<uint64_t>(1, world / (pp * tp));
     const bool mixed = args.precision != CAI_PRECISION_FP32;
-    const uint64_t stage = (static_cast<uint64_t>(args.num_params) + pp - 1) / pp;
+    const uint64_t stage = (static_cast<uint64_t>(args.num_params) + pp * tp - 1) / (pp * tp);
     const uint64_t sharded = zero > 0 ? (stage + dp - 1) / dp : stage;
     const uint64_t e = mixed ? 2 : 4;
     out.param_bytes = e * stage;
@@ -556,8 +639,8 @@ class HybridParallel {
     out.optimizer_state_bytes = 4ull * args.optimizer_state_slots * sharded;
     out.device_bytes =
         out.param_bytes + out.grad_bytes + out.master_bytes + out.optimizer_state_bytes;
-    out.formula = zero > 0 ? "per stage: (P + G)Ψ/pp + (K + M)Ψ/(pp·dp), ZeRO over dp"
-                           : "per stage: (P + G + M + K)Ψ/pp, replicated over dp";
+    out.formula = zero > 0 ? "per rank: (P + G)Ψ/(pp·tp) + (K + M)Ψ/(pp·tp·dp), ZeRO over dp"
+                           : "per rank: (P + G + M + K)Ψ/(pp·tp), replicated over dp";
   }
 
  private:
@@ -581,27 +664,134 @@ class HybridParallel {
 
   // ---- Boost ---------------------------------------------------------------------------------
 
-  // Pipeline groups (consecutive ranks) and data-parallel groups (one stage position across
-  // pipelines); every rank creates every group, in one order.
+  int32_t WorldRank(int32_t dp_rank, int32_t pp_rank, int32_t tp_rank) const {
+    return (dp_rank * pp_ + pp_rank) * tp_ + tp_rank;
+  }
+
+  // A group of `ranks`, created on every rank (collective); `mine` is set where this rank is
+  // a member.
+  void NewGroup(const std::vector<int32_t>& ranks, cai_comm_group*& mine) {
+    cai_comm_group* g = nullptr;
+    Check(Host().comm->new_group(ranks.data(), ranks.size(), &g));
+    if (g) mine = g;
+    groups_.push_back(g);
+  }
+
+  // Tensor-parallel groups (tp consecutive ranks), pipeline groups (one tensor-parallel rank
+  // of every stage of a replica) and data-parallel groups (one position across the replicas);
+  // every rank creates every group, in one order.
   void MakeGroups() {
+    for (int32_t d = 0; d < dp_ && tp_ > 1; ++d) {
+      for (int32_t p = 0; p < pp_; ++p) {
+        std::vector<int32_t> ranks;
+        for (int32_t t = 0; t < tp_; ++t) ranks.push_back(WorldRank(d, p, t));
+        NewGroup(ranks, tp_group_);
+      }
+    }
     for (int32_t d = 0; d < dp_ && pp_ > 1; ++d) {
-      std::vector<int32_t> ranks(pp_);
-      std::iota(ranks.begin(), ranks.end(), d * pp_);
-      cai_comm_group* g = nullptr;
-      Check(Host().comm->new_group(ranks.data(), ranks.size(), &g));
-      if (g) pp_group_ = g;
-      groups_.push_back(g);
+      for (int32_t t = 0; t < tp_; ++t) {
+        std::vector<int32_t> ranks;
+        for (int32_t p = 0; p < pp_; ++p) ranks.push_back(WorldRank(d, p, t));
+        NewGroup(ranks, pp_group_);
+      }
     }
-    for (int32_t r = 0; r < pp_ && dp_ > 1 && pp_ > 1; ++r) {
-      std::vector<int32_t> ranks;
-      for (int32_t d = 0; d < dp_; ++d) ranks.push_back(d * pp_ + r);
-      cai_comm_group* g = nullptr;
-      Check(Host().comm->new_group(ranks.data(), ranks.size(), &g));
-      if (g) dp_group_ = g;
-      groups_.push_back(g);
+    for (int32_t p = 0; p < pp_ && dp_ > 1 && pp_ * tp_ > 1; ++p) {
+      for (int32_t t = 0; t < tp_; ++t) {
+        std::vector<int32_t> ranks;
+        for (int32_t d = 0; d < dp_; ++d) ranks.push_back(WorldRank(d, p, t));
+        NewGroup(ranks, dp_group_);
+      }
     }
-    if (pp_ == 1) dp_group_ = nullptr;  // the world
-    if (dp_ == 1 && pp_ > 1) dp_group_ = SelfGroup();
+    if (pp_ * tp_ == 1) dp_group_ = nullptr;  // the world
+    if (dp_ == 1 && pp_ * tp_ > 1) dp_group_ = SelfGroup();
+  }
+
+  // The Shardformer kernels and which blocks recompute.
+  void ConfigureModel() {
+    const cai_model_api& model = *Host().model;
+    if (kernels_ != 0) {
+      if (!CAI_HAS_FIELD(&model, cai_model_api, enable_kernels)) {
+        throw Error(CAI_FAILED_PRECONDITION,
+                    "hybrid_parallel: enable_all_optimization and the enable_* keys need a host "
+                    "with ABI 1.3's enable_kernels; set them to false or upgrade cai");
+      }
+      Check(model.enable_kernels(model_, kernels_));
+    }
+    if (ckpt_layers_text_.empty() && ckpt_ratio_ == 0) return;
+    if (!CAI_HAS_FIELD(&model, cai_model_api, set_unit_checkpointing)) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "hybrid_parallel: num_ckpt_layers_per_stage and gradient_checkpointing_ratio "
+                  "need a host with ABI 1.3's set_unit_checkpointing; leave them out or upgrade "
+                  "cai");
+    }
+    const int32_t total = pp_ * chunks_;
+    std::vector<int32_t> counts;
+    if (!ckpt_layers_text_.empty()) {
+      std::stringstream in(ckpt_layers_text_);
+      for (std::string item; std::getline(in, item, ',');) {
+        try {
+          size_t used = 0;
+          counts.push_back(std::stoi(item, &used));
+          if (item.find_first_not_of(' ', used) != std::string::npos || counts.back() < 0) {
+            throw std::invalid_argument(item);
+          }
+        } catch (const std::exception&) {
+          throw Error(CAI_INVALID_ARGUMENT, "hybrid_parallel: num_ckpt_layers_per_stage = \"" +
+                                                ckpt_layers_text_ +
+                                                "\" must be block counts >= 0, comma-separated");
+        }
+      }
+      if (counts.size() == 1) counts.assign(total, counts[0]);
+      if (static_cast<int32_t>(counts.size()) != total) {
+        throw Error(CAI_INVALID_ARGUMENT,
+                    "hybrid_parallel: num_ckpt_layers_per_stage = \"" + ckpt_layers_text_ +
+                        "\" lists " + std::to_string(counts.size()) + " counts for " +
+                        std::to_string(total) +
+                        " virtual stages (pp_size x num_model_chunks); give one, or one per stage");
+      }
+    }
+    for (int32_t c = 0; c < chunks_; ++c) {
+      const int32_t v = c * pp_ + pp_rank_;
+      std::vector<uint32_t> blocks;
+      for (int32_t u = stages_[c].first_unit; u < stages_[c].last_unit; ++u) {
+        cai_unit_info info{};
+        info.struct_size = CAI_UNIT_INFO_STRUCT_SIZE;
+        Check(model.unit_info(model_, static_cast<uint32_t>(u), &info));
+        if (info.kind == CAI_UNIT_BLOCK) blocks.push_back(static_cast<uint32_t>(u));
+      }
+      const size_t n = counts.empty()
+                           ? static_cast<size_t>(std::lround(ckpt_ratio_ * double(blocks.size())))
+                           : static_cast<size_t>(counts[v]);
+      if (n > blocks.size()) {
+        throw Error(CAI_INVALID_ARGUMENT,
+                    "hybrid_parallel: num_ckpt_layers_per_stage asks virtual stage " +
+                        std::to_string(v) + " to recompute " + std::to_string(n) +
+                        " blocks but it holds " + std::to_string(blocks.size()));
+      }
+      std::string recomputed;
+      for (size_t i = 0; i < blocks.size(); ++i) {
+        Check(model.set_unit_checkpointing(model_, blocks[i], i < n));
+        if (i < n) recomputed += (recomputed.empty() ? "" : ", ") + std::to_string(blocks[i]);
+      }
+      sdk::Log(CAI_LOG_INFO, "hybrid_parallel: virtual stage " + std::to_string(v) +
+                                 " recomputes units [" + recomputed + "] in backward");
+    }
+  }
+
+  // Splits the model over the tensor-parallel group (the host's column/row-parallel layers).
+  void ApplyTensorParallel() {
+    cai_tensor_parallel_args a{};
+    a.struct_size = CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE;
+    a.group = tp_group_;
+    a.sequence_parallel = false;
+    a.vocab_divisible_by = vocab_divisible_by_;
+    a.gather_output = !parallel_output_;
+    try {
+      Check(Host().model->apply_tensor_parallel(model_, &a));
+    } catch (const Error& e) {
+      throw Error(e.code(), "hybrid_parallel: tp_size = " + std::to_string(tp_) + ": " + e.what());
+    }
+    tp_io_.emplace(model_, tp_group_);
   }
 
   // A one-rank group: data parallelism of size 1 (collectives on it are no-ops).
@@ -698,16 +888,18 @@ class HybridParallel {
     for (const auto& [ranks, params] : shared_by_ranks) {
       Shared mine;
       for (int32_t d = 0; d < dp_; ++d) {
-        std::vector<int32_t> world_ranks;
-        for (int32_t r : ranks) world_ranks.push_back(d * pp_ + r);
-        cai_comm_group* g = nullptr;
-        Check(Host().comm->new_group(world_ranks.data(), world_ranks.size(), &g));
-        groups_.push_back(g);
-        if (!g) continue;
-        mine.group = g;
-        mine.params = params;
-        mine.holder = static_cast<int32_t>(
-            std::find(ranks.begin(), ranks.end(), holder[params.front()]) - ranks.begin());
+        for (int32_t t = 0; t < tp_; ++t) {
+          std::vector<int32_t> world_ranks;
+          for (int32_t r : ranks) world_ranks.push_back(WorldRank(d, r, t));
+          cai_comm_group* g = nullptr;
+          Check(Host().comm->new_group(world_ranks.data(), world_ranks.size(), &g));
+          groups_.push_back(g);
+          if (!g) continue;
+          mine.group = g;
+          mine.params = params;
+          mine.holder = static_cast<int32_t>(
+              std::find(ranks.begin(), ranks.end(), holder[params.front()]) - ranks.begin());
+        }
       }
       if (mine.group) shared_.push_back(std::move(mine));
     }
@@ -954,7 +1146,12 @@ class HybridParallel {
 
   // Configuration.
   const int32_t world_rank_, world_;
-  int32_t pp_ = 1, dp_ = 1, pp_rank_ = 0, dp_rank_ = 0;
+  int32_t tp_ = 1, pp_ = 1, dp_ = 1, tp_rank_ = 0, pp_rank_ = 0, dp_rank_ = 0;
+  bool parallel_output_ = true;
+  uint64_t kernels_ = 0;  // CAI_MODEL_KERNEL_*
+  std::string ckpt_layers_text_;
+  double ckpt_ratio_ = 0;
+  int64_t vocab_divisible_by_ = 64;
   bool interleaved_ = false;
   int32_t chunks_ = 1;
   int64_t num_microbatches_ = 0, microbatch_size_ = 0;
@@ -980,11 +1177,13 @@ class HybridParallel {
   std::vector<uint32_t> not_counted_;  // held here, counted by another pipeline rank
   std::vector<Shared> shared_;
   std::vector<cai_comm_group*> groups_;  // every group this rank created (NULL: not a member)
+  cai_comm_group* tp_group_ = nullptr;
   cai_comm_group* pp_group_ = nullptr;
   cai_comm_group* dp_group_ = nullptr;
   std::optional<sdk::DataParallelReplica> replica_;  // zero_stage 0
   std::optional<sdk::ZeroOptimizer> zero_;           // zero_stage 1, 2
   std::optional<sdk::StepEpilogue> epilogue_;
+  std::optional<sdk::TensorParallelIo> tp_io_;  // tp_size > 1: checkpoints in the whole shapes
 
   // Per step.
   bool no_sync_ = false;

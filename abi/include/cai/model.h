@@ -75,8 +75,21 @@ typedef struct cai_param_info {
   int32_t unit; /* index of the unit that holds it, or -1 */
   cai_param_role role;
   int32_t parallel_dim; /* dimension tensor parallelism splits (-1 = replicate) */
+  /* since 1.3: tensor parallelism (apply_tensor_parallel). `shape` and `numel` describe this
+   * rank's slice; global_shape (ndim entries, lives as long as the model) the whole, unpadded
+   * parameter, which is what checkpoints hold. tp_dim is the dimension the slice is cut along,
+   * -1 when the parameter is whole on every rank of the group (then global_shape equals
+   * shape). Along tp_dim the parameter is tp_blocks equal blocks (GPT-2's fused q/k/v: 3; else
+   * 1), each padded with zeros to tp_padded / tp_blocks elements (a vocabulary padded to the
+   * requested multiple) and cut evenly over the group: rank r holds the r-th part of every
+   * block, blocks in order. Padding never receives gradient. Before apply_tensor_parallel:
+   * global_shape = shape, tp_dim = -1, tp_blocks = 1, tp_padded = 0. */
+  const int64_t* global_shape;
+  int32_t tp_dim;
+  int32_t tp_blocks;
+  int64_t tp_padded;
 } cai_param_info;
-#define CAI_PARAM_INFO_STRUCT_SIZE CAI_STRUCT_SIZE(cai_param_info, parallel_dim)
+#define CAI_PARAM_INFO_STRUCT_SIZE CAI_STRUCT_SIZE(cai_param_info, tp_padded)
 
 typedef struct cai_unit_info {
   size_t struct_size;
@@ -200,9 +213,17 @@ typedef struct cai_tensor_parallel_args {
   cai_extension_base* extension_start;
   struct cai_comm_group* group;
   bool sequence_parallel;
+  /* since 1.3: the vocabulary (token embedding, output projection) is padded to a multiple of
+   * vocab_divisible_by x the group's size (Megatron-LM's make_vocab_size_divisible_by; 0 or 1:
+   * of the group's size). */
+  int64_t vocab_divisible_by;
+  /* since 1.3: all-gather the vocabulary-parallel logits before the loss (ColossalAI's
+   * parallel_output = false); false: the loss is a distributed cross-entropy and no rank holds
+   * the whole logits. */
+  bool gather_output;
 } cai_tensor_parallel_args;
 #define CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE \
-  CAI_STRUCT_SIZE(cai_tensor_parallel_args, sequence_parallel)
+  CAI_STRUCT_SIZE(cai_tensor_parallel_args, gather_output)
 
 typedef struct cai_model_api {
   size_t struct_size;
@@ -263,8 +284,15 @@ typedef struct cai_model_api {
    * forward during backward. */
   cai_status* (*set_compute_dtype)(cai_model* model, cai_dtype dtype);
   cai_status* (*set_activation_checkpointing)(cai_model* model, bool enabled);
-  /* Applies tensor parallelism (see cai_tensor_parallel_args); UNIMPLEMENTED for models
-   * without structure metadata (TorchScript). Collective over the group. */
+  /* Applies tensor parallelism (see cai_tensor_parallel_args) over `group`: Megatron-LM's
+   * column- and row-parallel projections and a vocabulary-parallel embedding and output
+   * projection. Each parameter keeps the exact slice of its unsplit values that
+   * cai_param_info's tp fields describe, and forward and backward run the group's all-reduces
+   * (so every rank of the group calls forward/backward on the same tokens, in step).
+   * Collective over the group; once per model, before any storage is replaced or released.
+   * UNIMPLEMENTED for models without structure metadata (TorchScript) and, in 1.3, for
+   * sequence_parallel; INVALID_ARGUMENT when the group's size does not divide the heads,
+   * key/value heads or MLP width (the message names them). */
   cai_status* (*apply_tensor_parallel)(cai_model* model, const cai_tensor_parallel_args* args);
 
   /* 1.2. Casts every floating-point buffer to `dtype` (fp32 / bf16 / fp16) in place; integer
@@ -272,8 +300,27 @@ typedef struct cai_model_api {
    * in a bf16 forward promotes what it touches back to fp32). buffer_data describes the cast
    * buffers from then on. Not thread-safe against a running forward. */
   cai_status* (*set_buffer_dtype)(cai_model* model, cai_dtype dtype);
+
+  /* 1.3. Turns on optional kernels (CAI_MODEL_KERNEL_*) of a zoo model; kernels already on
+   * (the job's model.* keys) stay on. Each computes what the composed ATen path computes and
+   * keeps less for backward. UNIMPLEMENTED for TorchScript models. */
+  cai_status* (*enable_kernels)(cai_model* model, uint64_t kernels);
+  /* 1.3. Activation checkpointing of one transformer block (a CAI_UNIT_BLOCK unit): its
+   * forward is recomputed in backward. set_activation_checkpointing sets every block at once.
+   * INVALID_ARGUMENT for another kind of unit. */
+  cai_status* (*set_unit_checkpointing)(cai_model* model, uint32_t unit, bool enabled);
 } cai_model_api;
-#define CAI_MODEL_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_model_api, set_buffer_dtype)
+#define CAI_MODEL_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_model_api, set_unit_checkpointing)
+
+/* enable_kernels (1.3). */
+/* Causal attention tiled over query and key blocks with an online softmax: O(T·d) memory per
+ * head instead of the T×T scores. */
+#define CAI_MODEL_KERNEL_MEMORY_EFFICIENT_ATTENTION ((uint64_t)1 << 0)
+/* RMSNorm (Llama) in one pass keeping its input and 1/rms; GPT-2's LayerNorm is ATen's fused
+ * kernel already. */
+#define CAI_MODEL_KERNEL_FUSED_NORMALIZATION ((uint64_t)1 << 1)
+/* bias + tanh-GELU (GPT-2's MLP) and SwiGLU (Llama's) in one pass each way. */
+#define CAI_MODEL_KERNEL_FUSED_ACTIVATION ((uint64_t)1 << 2)
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -7,6 +7,7 @@
 #include <optional>
 #include <utility>
 
+#include "comm/comm_api.h"
 #include "core/status.h"
 #include "model/framework_allocator.h"
 #include "model/network.h"
@@ -122,6 +123,27 @@ class Activation {
 
 void ActivationDeleter::operator()(Activation* activation) const { delete activation; }
 
+void Network::ApplyTensorParallel(TensorParallelGroup, const TensorParallelOptions&) {
+  throw Error(CAI_UNIMPLEMENTED,
+              "apply_tensor_parallel: this model (" + Describe() +
+                  ") has no structure to split: tensor parallelism needs a zoo model "
+                  "(model.kind = \"gpt2\" or \"llama\")");
+}
+
+void Network::EnableKernels(uint64_t kernels) {
+  if (kernels == 0) return;
+  throw Error(CAI_UNIMPLEMENTED, "enable_kernels: this model (" + Describe() +
+                                     ") has no optional kernels: they are the zoo models' "
+                                     "(model.kind = \"gpt2\" or \"llama\")");
+}
+
+torch::Tensor Network::CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
+                                    int64_t ignore_index) const {
+  return torch::nn::functional::cross_entropy(
+      logits.to(torch::kFloat), targets,
+      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));
+}
+
 struct Model::Impl {
   struct Param {
     ParamSpec* spec = nullptr;
@@ -152,7 +174,7 @@ struct Model::Impl {
   std::string description;
   std::vector<HookEntry> hooks;
   uint64_t next_hook_id = 1;
-  bool checkpointing = false;
+  std::vector<char> checkpointed;  // per unit: recompute its forward in backward
 
   // Backward bookkeeping: a unit is active while a backward over it runs; pending counts
   // what POST_BACKWARD still waits for (trainable parameters, input gradient).
@@ -189,6 +211,7 @@ struct Model::Impl {
     buffer_views.resize(net->buffers.size());
     active.assign(units.size(), 0);
     pending.assign(units.size(), 0);
+    checkpointed.assign(units.size(), 0);
     int64_t numel = 0;
     for (const Param& p : params) numel += p.spec->tensor.numel();
     description = net->Describe() + " params=" + std::to_string(numel);
@@ -301,7 +324,7 @@ struct Model::Impl {
       }
       // Checkpointing needs an input that requires grad: a reentrant recompute is reached
       // only through it (PyTorch's reentrant checkpoint has the same rule).
-      const bool checkpoint = checkpointing && track_input && net->units[u].kind == CAI_UNIT_BLOCK;
+      const bool checkpoint = checkpointed[u] && track_input;
       torch::Tensor y = checkpoint ? Checkpoint(u, x) : net->Forward(u, x);
       if (grad && y.requires_grad()) {
         y.register_hook([this, u](const torch::Tensor&) { OnOutputGrad(u); });
@@ -395,9 +418,7 @@ struct Model::Impl {
                              " (model.ignore_index)" + (ignore != -1 ? " and -1" : "");
     CheckRange(t.masked_select(skipped.logical_not()), 0, what.c_str());
     if (ignore != -1) t = t.masked_fill(t.eq(-1), ignore);
-    return torch::nn::functional::cross_entropy(
-        logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), t.reshape({-1}),
-        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore));
+    return net->CrossEntropy(logits.reshape({-1, logits.size(-1)}), t.reshape({-1}), ignore);
   }
 };
 
@@ -467,7 +488,7 @@ void ApplyParamOptions(Network& net, const ParamOptions& options) {
     const int64_t size = net.params.empty() ? 1 : net.params.back().tensor.size(-1);
     torch::Tensor unused = torch::full({size}, 0.02, torch::kFloat).requires_grad_(true);
     net.params.push_back(
-        ParamSpec{"unused.weight", "unused", unused, -1, CAI_ROLE_OTHER, -1, false});
+        ParamSpec{"unused.weight", "unused", unused, -1, CAI_ROLE_OTHER, -1, false, {}, -1, 1, 0});
   }
 }
 
@@ -504,6 +525,12 @@ cai_param_info Model::ParamInfo(uint32_t index) const {
   info.unit = p.spec->unit;
   info.role = p.spec->role;
   info.parallel_dim = p.spec->parallel_dim;
+  const std::vector<int64_t>& global =
+      p.spec->global_shape.empty() ? p.shape : p.spec->global_shape;
+  info.global_shape = global.data();
+  info.tp_dim = p.spec->tp_dim;
+  info.tp_blocks = p.spec->tp_blocks;
+  info.tp_padded = p.spec->tp_padded;
   return info;
 }
 
@@ -911,7 +938,72 @@ void Model::SetBufferDtype(cai_dtype dtype) {
   }
 }
 
-void Model::SetActivationCheckpointing(bool enabled) { impl_->checkpointing = enabled; }
+void Model::SetActivationCheckpointing(bool enabled) {
+  for (size_t u = 0; u < impl_->units.size(); ++u) {
+    impl_->checkpointed[u] = enabled && impl_->net->units[u].kind == CAI_UNIT_BLOCK;
+  }
+}
+
+void Model::SetUnitCheckpointing(uint32_t unit, bool enabled) {
+  if (unit >= impl_->units.size() || impl_->net->units[unit].kind != CAI_UNIT_BLOCK) {
+    Fail(CAI_INVALID_ARGUMENT,
+         "set_unit_checkpointing: unit " + std::to_string(unit) +
+             (unit < impl_->units.size() ? " ('" + impl_->net->units[unit].name + "')" : "") +
+             " is not a transformer block; only blocks recompute their forward");
+  }
+  impl_->checkpointed[unit] = enabled;
+}
+
+void Model::EnableKernels(uint64_t kernels) { impl_->net->EnableKernels(kernels); }
+
+void Model::ApplyTensorParallel(cai_comm_group* group, const TensorParallelOptions& options) {
+  Impl& m = *impl_;
+  for (uint32_t i = 0; i < m.params.size(); ++i) {
+    const Impl::Param& p = m.params[i];
+    if (p.released || p.foreign_data || p.foreign_grad) {
+      Fail(CAI_FAILED_PRECONDITION, "apply_tensor_parallel: " + m.ParamName(i) +
+                                        " has had its storage released or replaced; apply "
+                                        "tensor parallelism first, before a strategy takes the "
+                                        "parameters over");
+    }
+  }
+  const cai_comm_api* comm = CommApi();
+  TensorParallelGroup g;
+  g.rank = comm->rank(group);
+  g.size = comm->size(group);
+  if (g.rank < 0 || g.size < 1) {
+    Fail(CAI_FAILED_PRECONDITION,
+         "apply_tensor_parallel: this rank is not in the group (or the communicator is not "
+         "initialised)");
+  }
+  auto run = [comm, group](cai_comm_op op, cai_reduce_op reduce, const torch::Tensor* in,
+                           const torch::Tensor& out) {
+    DescribedShape keep_in, keep_out;
+    cai_tensor d_out = DescribeTensor(out, keep_out);
+    cai_tensor d_in = in ? DescribeTensor(*in, keep_in) : d_out;
+    cai_comm_args a{};
+    a.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+    a.group = group;
+    a.op = op;
+    a.reduce_op = reduce;
+    a.input = &d_in;
+    a.output = &d_out;
+    ThrowIfError(comm->run(&a, nullptr));
+  };
+  g.all_reduce = [run](const torch::Tensor& t, cai_reduce_op op) {
+    run(CAI_COMM_ALL_REDUCE, op, nullptr, t);
+  };
+  g.all_gather = [run](const torch::Tensor& in, const torch::Tensor& out) {
+    run(CAI_COMM_ALL_GATHER, CAI_REDUCE_SUM, &in, out);
+  };
+  for (Impl::Param& p : m.params) p.spec->tensor.mutable_grad().reset();
+  m.net->ApplyTensorParallel(std::move(g), options);
+  for (Impl::Unit& u : m.units) u.numel = 0;
+  for (Impl::Param& p : m.params) {
+    p.shape = p.spec->tensor.sizes().vec();
+    if (p.spec->unit >= 0) m.units[p.spec->unit].numel += p.spec->tensor.numel();
+  }
+}
 
 uint64_t Model::ChargeOwnStorage() {
   uint64_t charged = 0;

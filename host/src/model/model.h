@@ -82,6 +82,12 @@ struct ModelConfig {
   double init_std = 0.02;
 };
 
+// cai_tensor_parallel_args' choices beyond the group.
+struct TensorParallelOptions {
+  int64_t vocab_divisible_by = 1;  // the vocabulary is padded to a multiple of this × tp
+  bool gather_output = false;      // all-gather the logits before the loss
+};
+
 // A stage's output activation (owned tensor with its autograd history). Opaque.
 class Activation;
 struct ActivationDeleter {
@@ -179,6 +185,14 @@ class Model {
   // Recompute each transformer block's forward during backward instead of keeping its
   // activations; the recomputation fires the block's forward hooks with recompute = true.
   void SetActivationCheckpointing(bool enabled);
+  // The same for one block (a CAI_UNIT_BLOCK unit; others are refused).
+  void SetUnitCheckpointing(uint32_t unit, bool enabled);
+  // Turns on the zoo's optional kernels (CAI_MODEL_KERNEL_*: memory-efficient attention, fused
+  // RMSNorm, fused bias+GELU and SwiGLU); TorchScript models refuse any.
+  void EnableKernels(uint64_t kernels);
+  // Tensor parallelism over `group` (a communicator group; NULL = the world), as
+  // cai_model_api.apply_tensor_parallel documents. Collective over the group.
+  void ApplyTensorParallel(cai_comm_group* group, const TensorParallelOptions& options);
   // Charges to the device budget (ChargeExistingBlock) the storage the model still owns: its
   // buffers and the parameters no strategy released or pointed elsewhere. For a model built
   // in host memory (model.init_device = "host"): what the strategy left in the model moves
@@ -221,7 +235,6 @@ std::unique_ptr<Model> LoadTorchScriptModel(const std::string& path,
 // The ABI view of a model. The handle is valid while the model lives.
 cai_model* AsHandle(Model* model);
 // The static, fully filled cai_model_api table over Model; every entry catches (cai::Guard).
-// apply_tensor_parallel returns UNIMPLEMENTED until the hybrid-parallel strategy lands.
 const cai_model_api* ModelApi();
 
 }  // namespace cai

@@ -215,13 +215,36 @@ cai_status* SetActivationCheckpointing(cai_model* model, bool enabled) {
 
 cai_status* ApplyTensorParallel(cai_model* model, const cai_tensor_parallel_args* args) {
   return Guard([&] {
-    Get(model, "apply_tensor_parallel");
+    Model* m = Get(model, "apply_tensor_parallel");
     RequireStructSize(args, CAI_STRUCT_SIZE(cai_tensor_parallel_args, sequence_parallel),
                       "apply_tensor_parallel: args");
-    throw Error(CAI_UNIMPLEMENTED,
-                "apply_tensor_parallel: host-side tensor parallelism lands with the "
-                "hybrid-parallel strategy; until then parameters stay whole on every rank");
+    if (args->sequence_parallel) {
+      throw Error(CAI_UNIMPLEMENTED,
+                  "apply_tensor_parallel: sequence_parallel is not in this host version; "
+                  "call it with sequence_parallel = false");
+    }
+    TensorParallelOptions options;
+    if (CAI_HAS_FIELD(args, cai_tensor_parallel_args, vocab_divisible_by)) {
+      if (args->vocab_divisible_by < 0) {
+        throw Error(CAI_INVALID_ARGUMENT,
+                    "apply_tensor_parallel: vocab_divisible_by must be >= 0, got " +
+                        std::to_string(args->vocab_divisible_by));
+      }
+      options.vocab_divisible_by = std::max<int64_t>(1, args->vocab_divisible_by);
+    }
+    if (CAI_HAS_FIELD(args, cai_tensor_parallel_args, gather_output)) {
+      options.gather_output = args->gather_output;
+    }
+    m->ApplyTensorParallel(args->group, options);
   });
+}
+
+cai_status* EnableKernels(cai_model* model, uint64_t kernels) {
+  return Guard([&] { Get(model, "enable_kernels")->EnableKernels(kernels); });
+}
+
+cai_status* SetUnitCheckpointing(cai_model* model, uint32_t unit, bool enabled) {
+  return Guard([&] { Get(model, "set_unit_checkpointing")->SetUnitCheckpointing(unit, enabled); });
 }
 
 constexpr cai_model_api kModelApi = {
@@ -253,6 +276,8 @@ constexpr cai_model_api kModelApi = {
     SetActivationCheckpointing,
     ApplyTensorParallel,
     SetBufferDtype,
+    EnableKernels,
+    SetUnitCheckpointing,
 };
 
 }  // namespace

@@ -5,11 +5,13 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "cai/comm.h"
 #include "cai/model.h"
 #include "model/model.h"
 
@@ -23,6 +25,22 @@ struct ParamSpec {
   cai_param_role role = CAI_ROLE_OTHER;
   int32_t parallel_dim = -1;
   bool is_bias = false;
+  // Tensor parallelism (cai_param_info's tp fields): the unsplit, unpadded shape and how
+  // `tensor` is cut from it. Empty global_shape: not applied, the tensor is whole.
+  std::vector<int64_t> global_shape;
+  int32_t tp_dim = -1;
+  int32_t tp_blocks = 1;
+  int64_t tp_padded = 0;
+};
+
+// The group a network's tensor-parallel forward and backward reduce over. The functions
+// block; every rank of the group calls them in the same order.
+struct TensorParallelGroup {
+  int32_t rank = 0, size = 1;
+  // In place over a contiguous tensor.
+  std::function<void(const torch::Tensor&, cai_reduce_op)> all_reduce;
+  // `out` (contiguous, size × input's elements) receives every rank's `in`, in rank order.
+  std::function<void(const torch::Tensor& in, const torch::Tensor& out)> all_gather;
 };
 
 struct UnitSpec {
@@ -43,6 +61,18 @@ class Network {
   // False when the forward uses the parameters as stored (TorchScript), so it cannot compute
   // in a dtype other than the storage's.
   virtual bool CastsToComputeType() const { return true; }
+  // Cuts the parameters into this rank's slices (recording how in their ParamSpec) and makes
+  // Forward and CrossEntropy run tensor-parallel over `group`. Networks without the structure
+  // (TorchScript) refuse.
+  virtual void ApplyTensorParallel(TensorParallelGroup group, const TensorParallelOptions& options);
+  // Mean cross-entropy of logits [N, V'] (what the last unit returned, flattened) against
+  // targets [N], skipping `ignore_index`, in fp32.
+  virtual torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
+                                     int64_t ignore_index) const;
+
+  // CAI_MODEL_KERNEL_* bits; networks without optional kernels (TorchScript) refuse any.
+  virtual void EnableKernels(uint64_t kernels);
+  uint64_t kernels() const { return kernels_; }
 
   void SetComputeType(torch::ScalarType type) { compute_type_ = type; }
   torch::ScalarType compute_type() const { return compute_type_; }
@@ -63,6 +93,9 @@ class Network {
 
  private:
   torch::ScalarType compute_type_ = torch::kFloat;
+
+ protected:
+  uint64_t kernels_ = 0;
 };
 
 std::unique_ptr<Network> MakeZooNetwork(const ModelConfig& config, uint64_t seed);

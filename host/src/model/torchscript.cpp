@@ -23,8 +23,17 @@ class TorchScriptNetwork final : public Network {
       const size_t dot = name.rfind('.');
       const std::string leaf = dot == std::string::npos ? name : name.substr(dot + 1);
       unit.reads.push_back(static_cast<uint32_t>(params.size()));
-      params.push_back(ParamSpec{name, dot == std::string::npos ? "" : name.substr(0, dot),
-                                 named.value, 0, CAI_ROLE_OTHER, -1, leaf == "bias"});
+      params.push_back(ParamSpec{name,
+                                 dot == std::string::npos ? "" : name.substr(0, dot),
+                                 named.value,
+                                 0,
+                                 CAI_ROLE_OTHER,
+                                 -1,
+                                 leaf == "bias",
+                                 {},
+                                 -1,
+                                 1,
+                                 0});
     }
     units.push_back(std::move(unit));
     for (const auto& named : module_.named_buffers(/*recurse=*/true)) {

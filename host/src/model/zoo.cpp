@@ -1,9 +1,11 @@
 // The model zoo: GPT-2 and Llama as flat lists of parameters and the forward of each unit.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
 
 #include "core/status.h"
+#include "model/kernels.h"
 #include "model/network.h"
 #include "model/torch_compat.h"
 
@@ -82,8 +84,15 @@ class Builder {
   uint64_t Next() { return index_++; }
   uint32_t Add(const std::string& module, const char* leaf, torch::Tensor t, int32_t unit,
                cai_param_role role, int32_t parallel_dim, bool is_bias) {
-    net_.params.push_back(ParamSpec{module + "." + leaf, module, t.requires_grad_(true), unit, role,
-                                    parallel_dim, is_bias});
+    ParamSpec spec;
+    spec.name = module + "." + leaf;
+    spec.module_path = module;
+    spec.tensor = t.requires_grad_(true);
+    spec.unit = unit;
+    spec.role = role;
+    spec.parallel_dim = parallel_dim;
+    spec.is_bias = is_bias;
+    net_.params.push_back(std::move(spec));
     return static_cast<uint32_t>(net_.params.size() - 1);
   }
 
@@ -96,19 +105,6 @@ torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch
   return torch::linear(x, w, b);
 }
 
-// Causal attention with plain matmul/softmax (LibTorch 1.13 has no SDPA). q, k, v are
-// [B, H, T, D]; softmax runs in fp32 for bf16/fp16 inputs, as fused kernels do.
-torch::Tensor CausalAttention(const torch::Tensor& q, const torch::Tensor& k,
-                              const torch::Tensor& v) {
-  const int64_t t = q.size(2);
-  torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(q.size(3)));
-  torch::Tensor future =
-      torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-  torch::Tensor probs = torch::softmax(scores, -1, torch::kFloat).to(q.scalar_type());
-  return torch::matmul(probs, v);
-}
-
 // [B, T, H * D] -> [B, H, T, D] and back.
 torch::Tensor SplitHeads(const torch::Tensor& x, int64_t heads) {
   return x.view({x.size(0), x.size(1), heads, -1}).transpose(1, 2);
@@ -117,13 +113,231 @@ torch::Tensor MergeHeads(const torch::Tensor& x) {
   return x.transpose(1, 2).contiguous().view({x.size(0), x.size(2), -1});
 }
 
+// ---- Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", section 3) ---------------------
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Autograd contexts hold IValues; the network (and its group) outlives every graph it builds.
+int64_t Handle(const TensorParallelGroup* group) {
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(group));
+}
+const TensorParallelGroup& GroupOf(int64_t handle) {
+  return *reinterpret_cast<const TensorParallelGroup*>(static_cast<intptr_t>(handle));
+}
+const TensorParallelGroup& GroupOf(AutogradContext* ctx) {
+  return GroupOf(ctx->saved_data["group"].toInt());
+}
+
+// Megatron's f: identity forward, all-reduce of the gradient backward. It stands before the
+// column-parallel projections, whose input every rank holds whole.
+struct CopyToGroup : torch::autograd::Function<CopyToGroup> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // A copy: autograd may hand the same gradient tensor to another branch (the residual).
+    torch::Tensor grad = grads[0].clone(at::MemoryFormat::Contiguous);
+    GroupOf(ctx).all_reduce(grad, CAI_REDUCE_SUM);
+    return {grad, torch::Tensor()};
+  }
+};
+
+// Megatron's g: all-reduce forward, identity backward. It follows the row-parallel
+// projections, whose outputs are partial sums.
+struct ReduceFromGroup : torch::autograd::Function<ReduceFromGroup> {
+  static torch::Tensor forward(AutogradContext*, torch::Tensor x, int64_t group) {
+    // The projection's fresh output, which nothing else reads: reduced in place.
+    torch::Tensor out = x.contiguous();
+    GroupOf(group).all_reduce(out, CAI_REDUCE_SUM);
+    return out;
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    return {grads[0], torch::Tensor()};
+  }
+};
+
+// The vocabulary-parallel logits [N, part] of every rank side by side [N, size·part]
+// (parallel_output = false); backward keeps this rank's columns.
+struct GatherFromGroup : torch::autograd::Function<GatherFromGroup> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    const TensorParallelGroup& g = GroupOf(group);
+    torch::Tensor in = x.contiguous();
+    torch::Tensor out = torch::empty({g.size, x.size(0), x.size(1)}, x.options());
+    g.all_gather(in, out);
+    return out.permute({1, 0, 2}).reshape({x.size(0), g.size * x.size(1)});
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const TensorParallelGroup& g = GroupOf(ctx);
+    torch::Tensor grad = grads[0].view({grads[0].size(0), g.size, -1}).select(1, g.rank);
+    return {grad.contiguous(), torch::Tensor()};
+  }
+};
+
+// Cross-entropy over vocabulary-parallel logits (Megatron's vocab_parallel_cross_entropy): each
+// rank holds the columns [start, start + part) of the fp32 logits [N, part]; the maxima, the
+// softmax denominators and the targets' logits are all-reduced (3·N floats), so no rank ever
+// holds the whole logits. Mean over the targets other than `ignore`, as cross_entropy.
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor logits, torch::Tensor targets,
+                               int64_t group, int64_t start, int64_t ignore) {
+    const TensorParallelGroup& g = GroupOf(group);
+    const int64_t n = logits.size(0), part = logits.size(1);
+    torch::Tensor max =
+        part > 0 ? std::get<0>(logits.max(1)).contiguous()
+                 : torch::full({n}, -std::numeric_limits<float>::infinity(), logits.options());
+    g.all_reduce(max, CAI_REDUCE_MAX);
+    torch::Tensor exp = (logits - max.unsqueeze(1)).exp_();
+    torch::Tensor sum = exp.sum(1).contiguous();
+    g.all_reduce(sum, CAI_REDUCE_SUM);
+    const torch::Tensor counted = targets.ne(ignore);
+    const torch::Tensor here =
+        counted.logical_and(targets.ge(start)).logical_and(targets.lt(start + part));
+    const torch::Tensor column = (targets - start).masked_fill(here.logical_not(), 0);
+    torch::Tensor picked = part > 0 ? logits.gather(1, column.unsqueeze(1)).squeeze(1)
+                                    : torch::zeros({n}, logits.options());
+    picked = picked.masked_fill(here.logical_not(), 0).contiguous();
+    g.all_reduce(picked, CAI_REDUCE_SUM);
+    // log Σ exp(l) - l_target, with the maximum taken out of the sum.
+    const torch::Tensor per_row = (sum.log() + max - picked).masked_fill(counted.logical_not(), 0);
+    const torch::Tensor count = counted.sum().to(logits.scalar_type());
+    ctx->save_for_backward({exp.div_(sum.unsqueeze(1)), column, here, counted, count});
+    return per_row.sum() / count;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    torch::Tensor grad = saved[0];  // softmax; this graph's backward runs once
+    const torch::Tensor& column = saved[1];
+    const torch::Tensor& here = saved[2];
+    const torch::Tensor& counted = saved[3];
+    if (grad.size(1) > 0) {
+      grad.scatter_add_(1, column.unsqueeze(1), -here.to(grad.scalar_type()).unsqueeze(1));
+    }
+    grad.mul_((counted.to(grad.scalar_type()) * (grads[0] / saved[4])).unsqueeze(1));
+    return {grad, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 class ZooNetwork : public Network {
+ public:
+  void EnableKernels(uint64_t kernels) override {
+    constexpr uint64_t kKnown = CAI_MODEL_KERNEL_MEMORY_EFFICIENT_ATTENTION |
+                                CAI_MODEL_KERNEL_FUSED_NORMALIZATION |
+                                CAI_MODEL_KERNEL_FUSED_ACTIVATION;
+    if (kernels & ~kKnown) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "enable_kernels: unknown kernel bits " + std::to_string(kernels & ~kKnown));
+    }
+    kernels_ |= kernels;
+  }
+
+  void ApplyTensorParallel(TensorParallelGroup group,
+                           const TensorParallelOptions& options) override {
+    if (tp_.size > 1) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "apply_tensor_parallel: tensor parallelism is already applied to this model");
+    }
+    const int64_t n = group.size;
+    if (n < 1 || group.rank < 0 || group.rank >= n) {
+      throw Error(CAI_INVALID_ARGUMENT, "apply_tensor_parallel: rank " +
+                                            std::to_string(group.rank) + " of a group of " +
+                                            std::to_string(n));
+    }
+    auto divides = [&](int64_t value, const std::string& what) {
+      if (value % n != 0) {
+        throw Error(CAI_INVALID_ARGUMENT, "apply_tensor_parallel: a tensor-parallel group of " +
+                                              std::to_string(n) + " ranks must divide " + what +
+                                              " (" + std::to_string(value) +
+                                              "); choose a tp size that divides it");
+      }
+    };
+    divides(c_.n_head, "the attention heads (n_head)");
+    divides(n_kv_head_, "the key/value heads (n_kv_head)");
+    divides(ffn_, "the MLP width (ffn_hidden)");
+    const int64_t multiple = n * std::max<int64_t>(1, options.vocab_divisible_by);
+    padded_vocab_ = (c_.vocab_size + multiple - 1) / multiple * multiple;
+    torch::NoGradGuard no_grad;
+    for (ParamSpec& p : params) {
+      p.global_shape = p.tensor.sizes().vec();
+      if (p.parallel_dim < 0) continue;
+      const int32_t dim = p.parallel_dim;
+      const bool vocab = p.role == CAI_ROLE_EMBEDDING || p.role == CAI_ROLE_LM_HEAD;
+      const int32_t blocks = p.role == CAI_ROLE_ATTN_QKV ? 3 : 1;
+      const int64_t block = p.tensor.size(dim) / blocks;
+      const int64_t padded_block = vocab ? padded_vocab_ : block;
+      const int64_t part = padded_block / n, first = group.rank * part;
+      std::vector<torch::Tensor> pieces;
+      for (int32_t b = 0; b < blocks; ++b) {
+        const int64_t count = std::clamp<int64_t>(block - first, 0, part);
+        if (count > 0) pieces.push_back(p.tensor.narrow(dim, b * block + first, count));
+        if (count < part) {  // the padding of the vocabulary: zeros, never read
+          std::vector<int64_t> shape = p.global_shape;
+          shape[dim] = part - count;
+          pieces.push_back(torch::zeros(shape, p.tensor.options()));
+        }
+      }
+      p.tensor.set_data(torch::cat(pieces, dim).contiguous());
+      p.tp_dim = dim;
+      p.tp_blocks = blocks;
+      p.tp_padded = padded_block * blocks;
+    }
+    heads_ = c_.n_head / n;
+    kv_heads_ = n_kv_head_ / n;
+    gather_output_ = options.gather_output;
+    tp_ = std::move(group);
+  }
+
+  torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
+                             int64_t ignore_index) const override {
+    if (tp_.size == 1) return Network::CrossEntropy(logits, targets, ignore_index);
+    const torch::Tensor local = logits.to(torch::kFloat);
+    if (gather_output_) {
+      torch::Tensor whole = GatherFromGroup::apply(local, Handle(&tp_));
+      return Network::CrossEntropy(whole.slice(1, 0, c_.vocab_size), targets, ignore_index);
+    }
+    const int64_t part = local.size(1), start = tp_.rank * part;
+    const int64_t real = std::clamp<int64_t>(c_.vocab_size - start, 0, part);
+    return VocabParallelCrossEntropy::apply(local.slice(1, 0, real), targets, Handle(&tp_), start,
+                                            ignore_index);
+  }
+
  protected:
   explicit ZooNetwork(const ModelConfig& c) : c_(c) {
     vocab_size = c.vocab_size;
     n_ctx = c.n_ctx;
   }
   torch::Tensor Wb(uint32_t index) const { return index == kNone ? torch::Tensor() : W(index); }
+
+  bool Has(uint64_t kernel) const { return (kernels_ & kernel) != 0; }
+  torch::Tensor Attention(const torch::Tensor& q, const torch::Tensor& k,
+                          const torch::Tensor& v) const {
+    return Has(CAI_MODEL_KERNEL_MEMORY_EFFICIENT_ATTENTION)
+               ? kernels::MemoryEfficientAttention(q, k, v)
+               : kernels::MathAttention(q, k, v);
+  }
+
+  // The input of column-parallel projections (f), the output of row-parallel ones (g).
+  torch::Tensor ToGroup(const torch::Tensor& x) const {
+    return tp_.size == 1 ? x : CopyToGroup::apply(x, Handle(&tp_));
+  }
+  // A row-parallel projection: partial products summed over the group, the bias added once.
+  torch::Tensor RowLinear(const torch::Tensor& x, uint32_t w, uint32_t b) const {
+    if (tp_.size == 1) return Linear(x, W(w), Wb(b));
+    torch::Tensor y = ReduceFromGroup::apply(Linear(x, W(w), {}), Handle(&tp_));
+    return b == kNone ? y : y + W(b);
+  }
+  // Token embedding; under tensor parallelism each rank looks up the tokens of its rows of
+  // the vocabulary, zeros for the others, and the group sums.
+  torch::Tensor Embed(uint32_t index, const torch::Tensor& tokens) const {
+    if (tp_.size == 1) return torch::embedding(W(index), tokens);
+    const int64_t part = params[index].tensor.size(0), start = tp_.rank * part;
+    const torch::Tensor outside = tokens.lt(start).logical_or(tokens.ge(start + part));
+    torch::Tensor rows = torch::embedding(W(index), (tokens - start).masked_fill(outside, 0));
+    rows = rows.masked_fill(outside.unsqueeze(-1), 0);
+    return ReduceFromGroup::apply(rows, Handle(&tp_));
+  }
   int32_t Block(int64_t layer) const { return static_cast<int32_t>(layer + 1); }
   int32_t Head() const { return static_cast<int32_t>(c_.n_layer + 1); }
   std::string BlockName(int64_t layer) const { return "blocks." + std::to_string(layer); }
@@ -149,6 +363,11 @@ class ZooNetwork : public Network {
   ModelConfig c_;
   int64_t n_kv_head_ = 0;
   int64_t ffn_ = 0;
+  // This rank's attention and key/value heads (all of them without tensor parallelism).
+  int64_t heads_ = 0, kv_heads_ = 0;
+  TensorParallelGroup tp_;
+  int64_t padded_vocab_ = 0;
+  bool gather_output_ = false;
 };
 
 // GPT-2 (Radford et al. 2019) as nanoGPT writes it: learned positions, pre-LayerNorm blocks,
@@ -156,7 +375,7 @@ class ZooNetwork : public Network {
 class Gpt2 final : public ZooNetwork {
  public:
   Gpt2(const ModelConfig& c, uint64_t seed) : ZooNetwork(c) {
-    n_kv_head_ = c.n_head;
+    n_kv_head_ = heads_ = kv_heads_ = c.n_head;
     ffn_ = c.ffn_hidden == 0 ? 4 * c.n_embd : c.ffn_hidden;
     const int64_t e = c.n_embd;
     // GPT-2 paper, section 2.3: residual projections scaled by 1/sqrt(N), N = 2 * n_layer.
@@ -191,22 +410,21 @@ class Gpt2 final : public ZooNetwork {
   }
 
   torch::Tensor Forward(size_t unit, const torch::Tensor& x) const override {
-    if (unit == 0) {
-      return torch::embedding(W(wte_), x) + W(wpe_).slice(0, 0, x.size(1));
-    }
+    if (unit == 0) return Embed(wte_, x) + W(wpe_).slice(0, 0, x.size(1));
     if (unit == size_t(Head())) {
-      return Linear(LayerNorm(x, lnf_w_, lnf_b_), W(wte_), {});
+      return Linear(ToGroup(LayerNorm(x, lnf_w_, lnf_b_)), W(wte_), {});
     }
     const Layer& y = layers_[unit - 1];
-    torch::Tensor qkv = Linear(LayerNorm(x, y.ln1_w, y.ln1_b), W(y.qkv_w), Wb(y.qkv_b));
+    torch::Tensor qkv = Linear(ToGroup(LayerNorm(x, y.ln1_w, y.ln1_b)), W(y.qkv_w), Wb(y.qkv_b));
     std::vector<torch::Tensor> parts = qkv.chunk(3, -1);
-    torch::Tensor att =
-        MergeHeads(CausalAttention(SplitHeads(parts[0], c_.n_head), SplitHeads(parts[1], c_.n_head),
-                                   SplitHeads(parts[2], c_.n_head)));
-    torch::Tensor h = x + Linear(att, W(y.proj_w), Wb(y.proj_b));
-    torch::Tensor up =
-        torch::gelu(Linear(LayerNorm(h, y.ln2_w, y.ln2_b), W(y.fc_w), Wb(y.fc_b)), "tanh");
-    return h + Linear(up, W(y.down_w), Wb(y.down_b));
+    torch::Tensor att = MergeHeads(Attention(
+        SplitHeads(parts[0], heads_), SplitHeads(parts[1], heads_), SplitHeads(parts[2], heads_)));
+    torch::Tensor h = x + RowLinear(att, y.proj_w, y.proj_b);
+    const torch::Tensor m = ToGroup(LayerNorm(h, y.ln2_w, y.ln2_b));
+    const torch::Tensor up = Has(CAI_MODEL_KERNEL_FUSED_ACTIVATION)
+                                 ? kernels::FusedBiasGelu(Linear(m, W(y.fc_w), {}), Wb(y.fc_b))
+                                 : torch::gelu(Linear(m, W(y.fc_w), Wb(y.fc_b)), "tanh");
+    return h + RowLinear(up, y.down_w, y.down_b);
   }
 
   std::string Describe() const override { return DescribeSizes("gpt2") + " tied=wte"; }
@@ -228,7 +446,8 @@ class Gpt2 final : public ZooNetwork {
 class Llama final : public ZooNetwork {
  public:
   Llama(const ModelConfig& c, uint64_t seed) : ZooNetwork(c) {
-    n_kv_head_ = c.n_kv_head == 0 ? c.n_head : c.n_kv_head;
+    n_kv_head_ = kv_heads_ = c.n_kv_head == 0 ? c.n_head : c.n_kv_head;
+    heads_ = c.n_head;
     // Meta's reference: hidden = 2/3 * 4 * n_embd, rounded up to a multiple of 256.
     ffn_ = c.ffn_hidden != 0 ? c.ffn_hidden : 256 * ((8 * c.n_embd / 3 + 255) / 256);
     const int64_t e = c.n_embd, d = e / c.n_head;
@@ -274,26 +493,29 @@ class Llama final : public ZooNetwork {
   }
 
   torch::Tensor Forward(size_t unit, const torch::Tensor& x) const override {
-    if (unit == 0) return torch::embedding(W(embed_), x);
-    if (unit == size_t(Head())) return Linear(RmsNorm(x, norm_), W(lm_head_), {});
+    if (unit == 0) return Embed(embed_, x);
+    if (unit == size_t(Head())) return Linear(ToGroup(RmsNorm(x, norm_)), W(lm_head_), {});
     const Layer& y = layers_[unit - 1];
     const int64_t t = x.size(1);
     torch::Tensor cos = cos_.slice(0, 0, t).to(x.device(), x.scalar_type());
     torch::Tensor sin = sin_.slice(0, 0, t).to(x.device(), x.scalar_type());
-    torch::Tensor a = RmsNorm(x, y.attn_norm);
-    torch::Tensor q = Rotate(SplitHeads(Linear(a, W(y.q_w), Wb(y.q_b)), c_.n_head), cos, sin);
-    torch::Tensor k = Rotate(SplitHeads(Linear(a, W(y.k_w), Wb(y.k_b)), n_kv_head_), cos, sin);
-    torch::Tensor v = SplitHeads(Linear(a, W(y.v_w), Wb(y.v_b)), n_kv_head_);
-    const int64_t group = c_.n_head / n_kv_head_;
+    torch::Tensor a = ToGroup(RmsNorm(x, y.attn_norm));
+    torch::Tensor q = Rotate(SplitHeads(Linear(a, W(y.q_w), Wb(y.q_b)), heads_), cos, sin);
+    torch::Tensor k = Rotate(SplitHeads(Linear(a, W(y.k_w), Wb(y.k_b)), kv_heads_), cos, sin);
+    torch::Tensor v = SplitHeads(Linear(a, W(y.v_w), Wb(y.v_b)), kv_heads_);
+    const int64_t group = heads_ / kv_heads_;
     if (group > 1) {
       k = k.repeat_interleave(group, 1);
       v = v.repeat_interleave(group, 1);
     }
-    torch::Tensor h = x + Linear(MergeHeads(CausalAttention(q, k, v)), W(y.o_w), Wb(y.o_b));
-    torch::Tensor m = RmsNorm(h, y.mlp_norm);
-    torch::Tensor swiglu =
-        torch::silu(Linear(m, W(y.gate_w), Wb(y.gate_b))) * Linear(m, W(y.up_w), Wb(y.up_b));
-    return h + Linear(swiglu, W(y.down_w), Wb(y.down_b));
+    torch::Tensor h = x + RowLinear(MergeHeads(Attention(q, k, v)), y.o_w, y.o_b);
+    torch::Tensor m = ToGroup(RmsNorm(h, y.mlp_norm));
+    const torch::Tensor gate = Linear(m, W(y.gate_w), Wb(y.gate_b));
+    const torch::Tensor up = Linear(m, W(y.up_w), Wb(y.up_b));
+    const torch::Tensor swiglu = Has(CAI_MODEL_KERNEL_FUSED_ACTIVATION)
+                                     ? kernels::FusedSwiGlu(gate, up)
+                                     : torch::silu(gate) * up;
+    return h + RowLinear(swiglu, y.down_w, y.down_b);
   }
 
   std::string Describe() const override { return DescribeSizes("llama"); }
@@ -305,6 +527,9 @@ class Llama final : public ZooNetwork {
   };
   // Zhang & Sennrich 2019; statistics in fp32 whatever the compute dtype.
   torch::Tensor RmsNorm(const torch::Tensor& x, uint32_t w) const {
+    if (Has(CAI_MODEL_KERNEL_FUSED_NORMALIZATION)) {
+      return kernels::FusedRmsNorm(x, W(w), c_.norm_eps);
+    }
     torch::Tensor xf = x.to(torch::kFloat);
     torch::Tensor normed = xf * torch::rsqrt(xf.pow(2).mean(-1, true) + c_.norm_eps);
     return normed.to(x.scalar_type()) * W(w);

@@ -74,6 +74,16 @@ const cai_config_key kModelKeys[] = {
               kInitDevices),
     BoolKey("activation_checkpointing", "false",
             "Recompute each block's forward during backward to save activation memory."),
+    BoolKey("memory_efficient_attention", "false",
+            "Zoo models: causal attention tiled over query and key blocks with an online "
+            "softmax and its own backward, O(T·d) memory per head instead of the T×T scores "
+            "(ColossalAI's enable_flash_attention)."),
+    BoolKey("fused_normalization", "false",
+            "Zoo models: Llama's RMSNorm in one pass keeping only its input and 1/rms for "
+            "backward (GPT-2's LayerNorm is ATen's fused kernel already)."),
+    BoolKey("fused_activation", "false",
+            "Zoo models: GPT-2's bias + GELU and Llama's SwiGLU in one pass each way, keeping "
+            "only their inputs (ColossalAI's enable_jit_fused)."),
     StringKey("freeze", "\"\"",
               "Comma-separated parameter-name patterns ('*' wildcard) that do not train."),
     BoolKey("unused_parameter", "false",

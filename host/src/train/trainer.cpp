@@ -133,6 +133,15 @@ std::unique_ptr<Model> BuildModel(const JobConfig& job, uint64_t seed) {
                   "model.init_from reads Hugging Face weights into the zoo's gpt2 and llama; a "
                   "TorchScript model brings its own weights");
     }
+    for (const char* key :
+         {"memory_efficient_attention", "fused_normalization", "fused_activation"}) {
+      if (GetBool(m, key)) {
+        throw Error(CAI_INVALID_ARGUMENT,
+                    std::string("model.") + key +
+                        " replaces kernels of the zoo's gpt2 and llama; a TorchScript model's "
+                        "forward is its own: set it to false");
+      }
+    }
     return LoadTorchScriptModel(path, options);
   }
   const ModelConfig config = ZooModelConfig(m);
@@ -143,6 +152,10 @@ std::unique_ptr<Model> BuildModel(const JobConfig& job, uint64_t seed) {
     interop::LoadHfWeights(dir, config, *model);
   }
   model->SetActivationCheckpointing(GetBool(m, "activation_checkpointing"));
+  model->EnableKernels(
+      (GetBool(m, "memory_efficient_attention") ? CAI_MODEL_KERNEL_MEMORY_EFFICIENT_ATTENTION : 0) |
+      (GetBool(m, "fused_normalization") ? CAI_MODEL_KERNEL_FUSED_NORMALIZATION : 0) |
+      (GetBool(m, "fused_activation") ? CAI_MODEL_KERNEL_FUSED_ACTIVATION : 0));
   return model;
 }
 

@@ -730,7 +730,7 @@ TEST(ModelApi, BadArguments_ReturnStatusesNamingThem) {
   s = Take(api->param_info(h, 0, &info));
   EXPECT_EQ(s.code, CAI_INVALID_ARGUMENT);
   EXPECT_EQ(s.message, "param_info: out.struct_size is 8, smaller than the " +
-                           std::to_string(CAI_PARAM_INFO_STRUCT_SIZE) +
+                           std::to_string(CAI_STRUCT_SIZE(cai_param_info, parallel_dim)) +
                            " bytes of ABI v1.0: set it to the struct's CAI_*_STRUCT_SIZE macro");
   info.struct_size = CAI_PARAM_INFO_STRUCT_SIZE;
   ASSERT_EQ(api->param_info(h, 0, &info), nullptr);
@@ -739,10 +739,19 @@ TEST(ModelApi, BadArguments_ReturnStatusesNamingThem) {
   EXPECT_EQ(s.message, "forward_backward: args is NULL");
   s = Take(api->zero_grad(nullptr, true));
   EXPECT_EQ(s.message, "zero_grad: model is NULL");
-  cai_tensor_parallel_args tp{CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE, nullptr, nullptr, false};
+  cai_tensor_parallel_args tp{
+      CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE, nullptr, nullptr, true, 1, false};
   s = Take(api->apply_tensor_parallel(h, &tp));
   EXPECT_EQ(s.code, CAI_UNIMPLEMENTED);
-  EXPECT_NE(s.message.find("hybrid-parallel"), std::string::npos);
+  EXPECT_NE(s.message.find("sequence_parallel"), std::string::npos);
+  tp.sequence_parallel = false;
+  tp.vocab_divisible_by = -1;
+  s = Take(api->apply_tensor_parallel(h, &tp));
+  EXPECT_EQ(s.message, "apply_tensor_parallel: vocab_divisible_by must be >= 0, got -1");
+  tp.vocab_divisible_by = 1;
+  s = Take(api->apply_tensor_parallel(h, &tp));  // no communicator in this process
+  EXPECT_EQ(s.code, CAI_FAILED_PRECONDITION);
+  EXPECT_NE(s.message.find("communicator is not initialised"), std::string::npos) << s.message;
   s = Take(api->set_buffer_dtype(h, cai_dtype{CAI_DTYPE_INT, 64, 1}));
   EXPECT_EQ(s.code, CAI_INVALID_ARGUMENT);
   EXPECT_EQ(s.message, "set_buffer_dtype: only fp32, bf16 and fp16 are supported");

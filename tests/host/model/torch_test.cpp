@@ -12,24 +12,14 @@
 
 #include "core/status.h"
 #include "model/model.h"
+#include "torch_fixtures.h"
 
 namespace cai {
 namespace {
 
-// An int64 torch tensor as a descriptor; the tensor must outlive it.
-struct TokenDesc {
-  std::vector<int64_t> shape, strides;
-  cai_tensor view;
-  explicit TokenDesc(const torch::Tensor& t) : shape(t.sizes().vec()), strides(t.strides().vec()) {
-    view = {t.data_ptr(),
-            {CAI_DEVICE_CPU, 0},
-            int32_t(t.dim()),
-            {CAI_DTYPE_INT, 64, 1},
-            shape.data(),
-            strides.data(),
-            0};
-  }
-};
+using testing::Batch;
+using testing::Config;
+using testing::TokenDesc;
 
 torch::ScalarType TypeOf(const cai_dtype& d) {
   if (d.code == CAI_DTYPE_BFLOAT) return torch::kBFloat16;
@@ -41,28 +31,6 @@ torch::Tensor ToFloat(const cai_tensor& t) {
   return torch::from_blob(t.data, std::vector<int64_t>(t.shape, t.shape + t.ndim),
                           torch::TensorOptions().dtype(TypeOf(t.dtype)))
       .to(torch::kFloat);
-}
-
-struct Batch {
-  torch::Tensor tokens, targets;
-  TokenDesc tokens_desc, targets_desc;
-  explicit Batch(int64_t vocab)
-      : tokens(torch::arange(16, torch::kLong).remainder(vocab - 1).view({2, 8})),
-        targets(torch::arange(1, 17, torch::kLong).remainder(vocab - 1).view({2, 8})),
-        tokens_desc(tokens),
-        targets_desc(targets) {}
-};
-
-ModelConfig Config(ModelConfig::Arch arch) {
-  ModelConfig c;
-  c.arch = arch;
-  c.vocab_size = 64;
-  c.n_ctx = 16;
-  c.n_layer = 2;
-  c.n_head = 4;
-  c.n_kv_head = arch == ModelConfig::Arch::kLlama ? 2 : 0;
-  c.n_embd = 32;
-  return c;
 }
 
 // A small language model written in TorchScript: embedding, tanh, a child "head" module's

@@ -208,8 +208,11 @@ TEST(HybridParallel, BadConfigurations_FailClearly) {
     std::vector<std::string> expected;
   };
   const std::vector<Case> cases = {
-      {2, {"tp_size=2"}, {"tp_size and sp_size must be 1"}},
-      {3, {"pp_size=2"}, {"pp_size = 2 does not divide the world of 3"}},
+      {2, {"sp_size=2"}, {"sp_size must be 1"}},
+      {3, {"pp_size=2"}, {"pp_size x tp_size = 2 x 1 does not divide the world of 3"}},
+      {4, {"pp_size=2", "tp_size=3"}, {"pp_size x tp_size = 2 x 3 does not divide the world of 4"}},
+      {3, {"tp_size=3"}, {"tp_size = 3", "must divide the attention heads (n_head) (2)"}},
+      {2, {"tp_size=2", "make_vocab_size_divisible_by=-1"}, {"make_vocab_size_divisible_by"}},
       {2, {"pp_size=2", "zero_stage=2"}, {"zero_stage = 2 with pp_size > 1", "zero_stage = 1"}},
       {2, {"pp_size=2", "num_model_chunks=2"}, {"needs pp_style = \"interleaved\""}},
       {2,
@@ -231,3 +234,225 @@ TEST(HybridParallel, BadConfigurations_FailClearly) {
 }
 
 }  // namespace
+
+// ---- Tensor parallelism ----------------------------------------------------------------------
+
+// Six heads of width 8 and an MLP of 192 split over 2 and 3 ranks.
+const std::vector<std::string> kTpGpt = {"model.n_embd=48", "model.n_head=6"};
+
+TEST(HybridParallel, Tp2AndTp3_GptMatchesReference) {
+  const TrainRun ref = Reference("gpt_tp", kTpGpt);
+  for (int tp : {2, 3}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    const TrainRun run =
+        Hybrid("tp" + std::to_string(tp), tp, {"tp_size=" + std::to_string(tp)}, kTpGpt);
+    ExpectMatches(ref, run, kFp32Tolerance);
+  }
+}
+
+// Llama with grouped-query attention (4 heads sharing 2 key/value heads, 2 per rank), with the
+// logits kept split (a distributed cross-entropy) and gathered (parallel_output = false), and
+// with activation checkpointing (each block's forward, all-reduces included, recomputed).
+TEST(HybridParallel, Tp2_LlamaGqaMatchesReference) {
+  const std::vector<std::string> llama = {"model.kind=llama", "model.n_head=4",
+                                          "model.n_kv_head=2"};
+  const TrainRun ref = Reference("llama", llama);
+  ExpectMatches(ref, Hybrid("llama_tp2", 2, {"tp_size=2"}, llama), kFp32Tolerance);
+  ExpectMatches(ref, Hybrid("llama_tp2_gathered", 2, {"tp_size=2", "parallel_output=false"}, llama),
+                kFp32Tolerance);
+  std::vector<std::string> recompute = llama;
+  recompute.push_back("model.activation_checkpointing=true");
+  ExpectMatches(ref, Hybrid("llama_tp2_recompute", 2, {"tp_size=2"}, recompute), kFp32Tolerance);
+}
+
+// A vocabulary of 257 padded to 258 (make_vocab_size_divisible_by = 1) and to 384 (64 x 3):
+// the padding rows never train and the checkpoint holds the 257 real ones.
+TEST(HybridParallel, Tp_PaddedVocabularyMatchesReference) {
+  std::vector<std::string> sets = kTpGpt;
+  sets.push_back("model.vocab_size=257");
+  const TrainRun ref = Reference("vocab257", sets);
+  ExpectMatches(ref,
+                Hybrid("vocab257_tp2", 2, {"tp_size=2", "make_vocab_size_divisible_by=1"}, sets),
+                kFp32Tolerance);
+  ExpectMatches(ref, Hybrid("vocab257_tp3", 3, {"tp_size=3"}, sets), kFp32Tolerance);
+}
+
+// Scale-sensitive: plain SGD, no momentum, clipping or warmup (train_run.h).
+TEST(HybridParallel, PlainSgd_Tp2AndTp3MatchReference) {
+  std::vector<std::string> sets = kTpGpt;
+  sets.insert(sets.end(), cai::testing::kPlainSgdSets.begin(), cai::testing::kPlainSgdSets.end());
+  const TrainRun ref = Reference("sgd_tp", sets);
+  for (int tp : {2, 3}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    ExpectMatches(
+        ref, Hybrid("sgd_tp" + std::to_string(tp), tp, {"tp_size=" + std::to_string(tp)}, sets),
+        kFp32Tolerance);
+  }
+}
+
+// Grids of four ranks: two tensor-parallel pipelines of two stages (the tied embedding held by
+// both stages, split over each stage's pair), and two replicas of a tensor-parallel pair with
+// DDP buckets and with ZeRO-1 over the replicas.
+TEST(HybridParallel, Tp2Pp2AndTp2Dp2_MatchReference) {
+  const TrainRun ref = Reference("grid", kTpGpt);
+  ExpectMatches(ref, Hybrid("tp2pp2", 4, {"tp_size=2", "pp_size=2"}, kTpGpt), kFp32Tolerance);
+  for (int zero : {0, 1}) {
+    SCOPED_TRACE("zero_stage " + std::to_string(zero));
+    ExpectMatches(ref,
+                  Hybrid("tp2dp2_zero" + std::to_string(zero), 4,
+                         {"tp_size=2", "zero_stage=" + std::to_string(zero)}, kTpGpt),
+                  kFp32Tolerance);
+  }
+}
+
+TEST(HybridParallel, Bf16_Tp2MatchesReferencePerTensor) {
+  std::vector<std::string> bf16 = kTpGpt;
+  bf16.push_back("train.precision=bf16");
+  ExpectMatches(Reference("bf16_tp", bf16), Hybrid("bf16_tp2", 2, {"tp_size=2"}, bf16),
+                cai::testing::kBf16AdamW);
+}
+
+// Bytes and memory per step against their formulas. GPT-2 with L blocks, micro-batches of
+// B x T tokens and width e: Megatron-LM all-reduces B·T·e elements once per block half in
+// forward (g after attention and after the MLP) and once in backward (f before each), plus the
+// embedding's g and the head's f: (4L + 2)·B·T·e per micro-batch; the distributed
+// cross-entropy adds 3·B·T (maxima, denominators, target logits). ZeRO-1 moves the gradients
+// by reduce-scatter, so the all-reduce bytes of tp 2 less those of dp 2 (which has only the
+// step's agreement, the same on both) are exactly the tensor-parallel ones. Parameters and
+// optimizer state per rank: the split ones 1/tp, the rest (norms, the biases added after a
+// row-parallel projection, the positions) whole.
+TEST(HybridParallel, Tp2_CommunicationAndMemoryMatchFormulas) {
+  const TrainRun tp = Hybrid("tp2_zero1", 2, {"tp_size=2", "zero_stage=1"}, kTpGpt);
+  const TrainRun dp = Hybrid("dp2_zero1", 2, {"zero_stage=1"}, kTpGpt);
+  ASSERT_EQ(tp.exit_code, 0) << tp.output;
+  ASSERT_EQ(dp.exit_code, 0) << dp.output;
+  const double L = 4, micro_batches = 4, B = 8 / micro_batches, T = 16, e = 48, V = 256, F = 4 * e;
+  const double per_micro_batch = (4 * L + 2) * B * T * e + 3 * B * T;
+  const std::vector<double> tp_bytes =
+      cai::testing::PerRank(tp, "comm_bytes_per_step_mean", "all_reduce");
+  const std::vector<double> dp_bytes =
+      cai::testing::PerRank(dp, "comm_bytes_per_step_mean", "all_reduce");
+  ASSERT_EQ(tp_bytes.size(), 2u) << tp.summary;
+  ASSERT_EQ(dp_bytes.size(), 2u) << dp.summary;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(tp_bytes[r] - dp_bytes[r], 4 * micro_batches * per_micro_batch) << "rank " << r;
+  }
+  const double split = V * e + L * (3 * e * e + 3 * e + e * e + F * e + F + e * F);
+  const double whole = 32 * e + L * (2 * e + e + 2 * e + e) + 2 * e;  // wpe: n_ctx 32
+  const std::vector<double> params = cai::testing::PerRank(tp, "strategy_bytes", "params");
+  const std::vector<double> state = cai::testing::PerRank(tp, "strategy_bytes", "optimizer_state");
+  ASSERT_EQ(params.size(), 2u) << tp.summary;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(params[r], 4 * (split / 2 + whole)) << "rank " << r;
+    // ZeRO-1 over a data-parallel group of one: Adam's two fp32 slots of every local element.
+    EXPECT_EQ(state[r], 2 * 4 * (split / 2 + whole)) << "rank " << r;
+  }
+}
+
+// Bad tensor-parallel shapes fail before training with the numbers.
+TEST(HybridParallel, Tp_UnsplittableModelsFailClearly) {
+  const TrainRun kv = Hybrid("bad_kv", 2, {"tp_size=2"}, {"model.kind=llama", "model.n_kv_head=1"});
+  EXPECT_NE(kv.exit_code, 0);
+  EXPECT_NE(kv.output.find("tp_size = 2: apply_tensor_parallel: a tensor-parallel group of 2 ranks "
+                           "must divide the key/value heads (n_kv_head) (1)"),
+            std::string::npos)
+      << kv.output;
+  const TrainRun ffn =
+      Hybrid("bad_ffn", 2, {"tp_size=2"}, {"model.n_head=2", "model.ffn_hidden=33"});
+  EXPECT_NE(ffn.exit_code, 0);
+  EXPECT_NE(ffn.output.find("must divide the MLP width (ffn_hidden) (33)"), std::string::npos)
+      << ffn.output;
+}
+
+// The checkpoint matrix: saved by tp 2 x pp 2, resumed by pp 2 x dp 2 and by fsdp on three
+// ranks; saved by fsdp on three ranks, resumed by tp 2 x pp 2. The canonical layout holds the
+// whole tensors (the vocabulary's padding dropped), and every continuation equals the
+// uninterrupted reference.
+TEST(HybridParallel, Checkpoint_Tp2Pp2AndOtherGridsAndFsdpResumeEachOther) {
+  std::vector<std::string> sets = kTpGpt;
+  sets.insert(sets.end(), {"optimizer.decay_steps=6", "train.grad_accum=2"});
+  const TrainRun ref = Reference("resume_tp", sets);
+  struct Leg {
+    std::string name;
+    int save_nproc;
+    std::vector<std::string> save;
+    int resume_nproc;
+    std::vector<std::string> resume;
+  };
+  const std::vector<std::string> tp2pp2 = {"plugin.name=hybrid_parallel",
+                                           "plugin.hybrid_parallel.tp_size=2",
+                                           "plugin.hybrid_parallel.pp_size=2"};
+  const std::vector<std::string> pp2dp2 = {"plugin.name=hybrid_parallel",
+                                           "plugin.hybrid_parallel.pp_size=2"};
+  const std::vector<std::string> fsdp = {"plugin.name=fsdp", "plugin.fsdp.state_dict_type=full"};
+  const std::vector<Leg> legs = {{"tp2pp2_to_pp2dp2", 4, tp2pp2, 4, pp2dp2},
+                                 {"tp2pp2_to_fsdp", 4, tp2pp2, 3, fsdp},
+                                 {"fsdp_to_tp2pp2", 3, fsdp, 4, tp2pp2}};
+  for (const Leg& leg : legs) {
+    SCOPED_TRACE(leg.name);
+    const fs::path dir = RunsDir() / leg.name;
+    std::vector<std::string> first = sets;
+    first.insert(first.end(), leg.save.begin(), leg.save.end());
+    first.push_back("train.steps=3");
+    const TrainRun saved = cai::testing::RunTrain(dir, cai::testing::kTinyGptJob, leg.save_nproc,
+                                                  Job(first), kPlugins);
+    ASSERT_EQ(saved.exit_code, 0) << saved.output;
+    ASSERT_FALSE(saved.checkpoint.empty()) << saved.output;
+    // The whole shapes: the fused q/k/v of 3·48 rows, the 256-row vocabulary.
+    EXPECT_EQ(cai::testing::ReadCheckpointTensor(saved.checkpoint, "model/blocks.0.attn.qkv.weight")
+                  .size(),
+              3u * 48 * 48);
+    EXPECT_EQ(cai::testing::ReadCheckpointTensor(saved.checkpoint, "model/wte.weight").size(),
+              256u * 48);
+    std::vector<std::string> resume = sets;
+    resume.insert(resume.end(), leg.resume.begin(), leg.resume.end());
+    resume.push_back("checkpoint.resume=true");
+    const TrainRun resumed =
+        cai::testing::RunTrain(dir, cai::testing::kTinyGptJob, leg.resume_nproc, Job(resume),
+                               kPlugins, true, "resumed.txt");
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    ASSERT_EQ(resumed.losses.size(), 6u) << resumed.output;
+    ExpectMatches(ref, resumed, kFp32Tolerance);
+  }
+}
+
+// Shardformer's optimisations with tensor parallelism: Llama (RMSNorm, SwiGLU and attention all
+// replaced) at tp 2 with half of each stage's blocks recomputed; GPT-2 over two stages with the
+// first block of stage 0 and both of stage 1 recomputed and the fused bias + GELU; and the same
+// kernels from the job's model.* keys under plain data parallelism.
+TEST(HybridParallel, AllOptimizationsAndPerStageRecompute_MatchReference) {
+  const std::vector<std::string> llama = {"model.kind=llama", "model.n_head=4",
+                                          "model.n_kv_head=2"};
+  ExpectMatches(
+      Reference("llama_opt", llama),
+      Hybrid("llama_tp2_all", 2,
+             {"tp_size=2", "enable_all_optimization=true", "gradient_checkpointing_ratio=0.5"},
+             llama),
+      kFp32Tolerance);
+  const TrainRun ref = Reference("gpt_opt", {});
+  const TrainRun staged =
+      Hybrid("pp2_ckpt", 2,
+             {"pp_size=2", "enable_jit_fused=true", "enable_flash_attention=true",
+              "num_ckpt_layers_per_stage=\"1,2\""});
+  ExpectMatches(ref, staged, kFp32Tolerance);
+  // 4 blocks (units 1-4) over 2 stages: the first of stage 0, both of stage 1.
+  EXPECT_NE(staged.output.find("virtual stage 0 recomputes units [1] in backward"),
+            std::string::npos)
+      << staged.output;
+  EXPECT_NE(staged.output.find("virtual stage 1 recomputes units [3, 4] in backward"),
+            std::string::npos)
+      << staged.output;
+  ExpectMatches(ref,
+                Hybrid("dp2_model_keys", 2, {},
+                       {"model.memory_efficient_attention=true", "model.fused_activation=true",
+                        "model.fused_normalization=true"}),
+                kFp32Tolerance);
+  const TrainRun bad = Hybrid("bad_ckpt", 2, {"pp_size=2", "num_ckpt_layers_per_stage=\"1,2,1\""});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("lists 3 counts for 2 virtual stages"), std::string::npos)
+      << bad.output;
+  const TrainRun many = Hybrid("many_ckpt", 2, {"pp_size=2", "num_ckpt_layers_per_stage=\"3\""});
+  EXPECT_NE(many.exit_code, 0);
+  EXPECT_NE(many.output.find("to recompute 3 blocks but it holds 2"), std::string::npos)
+      << many.output;
+}

@@ -465,34 +465,32 @@ class DataParallelReplica {
   // ranks that write (one per group: the others hold the same values).
   template <class Writes = bool (*)(uint32_t)>
   void Save(
-      const cai_checkpoint_args& args, Writes writes = [](uint32_t) { return true; }) const {
+      const cai_checkpoint_args& args, Writes writes = [](uint32_t) { return true; },
+      const ParamIo& io = DirectIo()) const {
     const FlatLayout& layout = reducer_->layout();
     for (size_t i = 0; i < layout.size(); ++i) {
       if (!writes(layout[i].param)) continue;
       if (args.model) {
-        WriteAsFp32(args.checkpoint, "model/" + layout[i].name, layout.View(weights_, kFloat32, i),
-                    layout[i].shape);
+        io.Write(args.checkpoint, "model/" + layout[i].name, layout[i].param,
+                 layout.View(weights_, kFloat32, i), layout[i].shape);
       }
       for (uint32_t k = 0; args.optimizer && k < optim_.SlotsOf(layout[i].group); ++k) {
-        cai_tensor t = optim_.View(k, layout[i].offset, &layout[i].numel);
-        Check(Host().checkpoint->write_tensor(args.checkpoint,
-                                              OptimStateName(layout[i].name, k).c_str(), &t));
+        io.Write(args.checkpoint, OptimStateName(layout[i].name, k), layout[i].param,
+                 optim_.View(k, layout[i].offset, &layout[i].numel), {});
       }
     }
   }
   // Reads the canonical layout of every parameter it holds, on every rank.
-  void Load(const cai_checkpoint_args& args) {
+  void Load(const cai_checkpoint_args& args, const ParamIo& io = DirectIo()) {
     const FlatLayout& layout = reducer_->layout();
     for (size_t i = 0; i < layout.size(); ++i) {
       if (args.model) {
-        cai_tensor t = layout.View(weights_, kFloat32, i);
-        Check(Host().checkpoint->read_tensor(args.checkpoint, ("model/" + layout[i].name).c_str(),
-                                             0, 0, &t));
+        io.Read(args.checkpoint, "model/" + layout[i].name, layout[i].param, 0, 0,
+                layout.View(weights_, kFloat32, i));
       }
       for (uint32_t k = 0; args.optimizer && k < optim_.SlotsOf(layout[i].group); ++k) {
-        cai_tensor t = optim_.View(k, layout[i].offset, &layout[i].numel);
-        Check(Host().checkpoint->read_tensor(args.checkpoint,
-                                             OptimStateName(layout[i].name, k).c_str(), 0, 0, &t));
+        io.Read(args.checkpoint, OptimStateName(layout[i].name, k), layout[i].param, 0, 0,
+                optim_.View(k, layout[i].offset, &layout[i].numel));
       }
     }
     if (args.model && lowp_.get()) {  // the 16-bit parameters follow the masters

@@ -138,6 +138,34 @@ inline void PointGradsAt(cai_model* model, const FlatLayout& layout, const Buffe
   }
 }
 
+// How a parameter's checkpoint tensors are written and read. This one takes them as they are;
+// TensorParallelIo (cai/sdk/tensor_parallel.hpp) converts between a rank's slice and the
+// canonical tensor. `flat` holds the parameter's local values (all of them); a non-empty
+// `shape` writes "model/<name>" in the parameter's shape, an empty one flat
+// ("optim/<name>/<k>"). Read fills `dst` with elements [offset, offset + count) of the
+// parameter's local flat values (count 0 = all), converting the dtype.
+class ParamIo {
+ public:
+  virtual ~ParamIo() = default;
+  virtual void Write(cai_checkpoint* ckpt, const std::string& name, uint32_t /*param*/,
+                     const cai_tensor& flat, std::span<const int64_t> shape) const {
+    if (shape.empty()) {
+      Check(Host().checkpoint->write_tensor(ckpt, name.c_str(), &flat));
+    } else {
+      WriteAsFp32(ckpt, name, flat, shape);
+    }
+  }
+  virtual void Read(cai_checkpoint* ckpt, const std::string& name, uint32_t /*param*/,
+                    int64_t offset, int64_t count, const cai_tensor& dst) const {
+    cai_tensor t = dst;
+    Check(Host().checkpoint->read_tensor(ckpt, name.c_str(), offset, count, &t));
+  }
+};
+inline const ParamIo& DirectIo() {
+  static const ParamIo io;
+  return io;
+}
+
 // Name of optimizer state slot `slot` of parameter `param` in the canonical layout.
 inline std::string OptimStateName(const std::string& param, uint32_t slot) {
   return "optim/" + param + "/" + std::to_string(slot);

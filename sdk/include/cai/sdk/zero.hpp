@@ -260,14 +260,15 @@ class ZeroOptimizer {
   // write those of the parameters `writes` accepts (all by default). Collective over the group.
   template <class Writes = bool (*)(uint32_t)>
   void Save(
-      const cai_checkpoint_args& args, bool writer, Writes writes = [](uint32_t) { return true; }) {
+      const cai_checkpoint_args& args, bool writer, Writes writes = [](uint32_t) { return true; },
+      const ParamIo& io = DirectIo()) {
     WaitGathers();
     if (args.model) {
       if (master_.get()) {
         ForEachGathered(master_, [&](const Buffer& full, size_t b) {
           for (size_t s = buckets_[b].first_slot; s < buckets_[b].end_slot && writer; ++s) {
             if (writes(layout_[s].param)) {
-              WriteModelTensor(args.checkpoint, full, kFloat32, buckets_[b].offset, s);
+              WriteModelTensor(args.checkpoint, full, kFloat32, buckets_[b].offset, s, io);
             }
           }
         });
@@ -276,7 +277,7 @@ class ZeroOptimizer {
         // master_weights = false trains).
         for (size_t s = 0; s < layout_.size(); ++s) {
           if (writes(layout_[s].param)) {
-            WriteModelTensor(args.checkpoint, params_, compute_dtype_, 0, s);
+            WriteModelTensor(args.checkpoint, params_, compute_dtype_, 0, s, io);
           }
         }
       }
@@ -288,10 +289,9 @@ class ZeroOptimizer {
           for (size_t s = buckets_[b].first_slot; s < buckets_[b].end_slot; ++s) {
             if (k >= optim_.SlotsOf(layout_[s].group) || !writes(layout_[s].param)) continue;
             int64_t n = layout_[s].numel;
-            cai_tensor t = FlatView(full, kFloat32, layout_[s].offset - buckets_[b].offset, &n);
-            Check(Host().checkpoint->write_tensor(
-                args.checkpoint, OptimStateName(layout_[s].name, static_cast<uint32_t>(k)).c_str(),
-                &t));
+            io.Write(args.checkpoint, OptimStateName(layout_[s].name, static_cast<uint32_t>(k)),
+                     layout_[s].param,
+                     FlatView(full, kFloat32, layout_[s].offset - buckets_[b].offset, &n), {});
           }
         });
       }
@@ -300,20 +300,19 @@ class ZeroOptimizer {
 
   // Every rank reads the full parameters and just its own pieces of masters and state, at
   // whatever world size the checkpoint was written.
-  void Load(const cai_checkpoint_args& args) {
+  void Load(const cai_checkpoint_args& args, const ParamIo& io = DirectIo()) {
     WaitGathers();
-    const cai_checkpoint_api& ckpt = *Host().checkpoint;
     if (args.model) {
       for (size_t s = 0; s < layout_.size(); ++s) {
-        cai_tensor t = layout_.View(params_, compute_dtype_, s);
-        Check(ckpt.read_tensor(args.checkpoint, ("model/" + layout_[s].name).c_str(), 0, 0, &t));
+        io.Read(args.checkpoint, "model/" + layout_[s].name, layout_[s].param, 0, 0,
+                layout_.View(params_, compute_dtype_, s));
       }
       if (master_.get()) {
         for (const Segment& g : segments_) {
           int64_t n = static_cast<int64_t>(g.numel);
-          cai_tensor t = FlatView(master_, kFloat32, g.shard_offset, &n);
-          Check(ckpt.read_tensor(args.checkpoint, ("model/" + layout_[g.slot].name).c_str(),
-                                 static_cast<int64_t>(g.param_offset), n, &t));
+          io.Read(args.checkpoint, "model/" + layout_[g.slot].name, layout_[g.slot].param,
+                  static_cast<int64_t>(g.param_offset), n,
+                  FlatView(master_, kFloat32, g.shard_offset, &n));
         }
         if (pinned_param_.get()) {
           int64_t n = static_cast<int64_t>(shard_);
@@ -327,9 +326,8 @@ class ZeroOptimizer {
         const FlatSlot& s = layout_[g.slot];
         for (uint32_t k = 0; k < optim_.SlotsOf(s.group); ++k) {
           int64_t n = static_cast<int64_t>(g.numel);
-          cai_tensor t = optim_.View(k, g.shard_offset, &n);
-          Check(ckpt.read_tensor(args.checkpoint, OptimStateName(s.name, k).c_str(),
-                                 static_cast<int64_t>(g.param_offset), n, &t));
+          io.Read(args.checkpoint, OptimStateName(s.name, k), s.param,
+                  static_cast<int64_t>(g.param_offset), n, optim_.View(k, g.shard_offset, &n));
         }
       }
     }
@@ -652,10 +650,10 @@ class ZeroOptimizer {
   // Writes slot s as fp32 in its shape from `base` (of `dtype`), whose element 0 is element
   // `base_offset` of the full layout.
   void WriteModelTensor(cai_checkpoint* checkpoint, const Buffer& base, cai_dtype dtype,
-                        size_t base_offset, size_t s) {
+                        size_t base_offset, size_t s, const ParamIo& io) {
     int64_t n = layout_[s].numel;
-    WriteAsFp32(checkpoint, "model/" + layout_[s].name,
-                FlatView(base, dtype, layout_[s].offset - base_offset, &n), layout_[s].shape);
+    io.Write(checkpoint, "model/" + layout_[s].name, layout_[s].param,
+             FlatView(base, dtype, layout_[s].offset - base_offset, &n), layout_[s].shape);
   }
 
   cai_model* model_;

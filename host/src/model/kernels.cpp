@@ -1,0 +1,327 @@
+// The zoo's optional kernels (kernels.h). On the CPU the element-wise ones are single passes
+// over the data (at::parallel_for) in fp32 or bf16 storage with fp32 arithmetic; elsewhere
+// (CUDA) and for other dtypes they compose ATen ops with the same saved state.
+#include "model/kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace cai::kernels {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool LoopKernel(const torch::Tensor& t) {
+  return t.device().is_cpu() &&
+         (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16);
+}
+
+// A contiguous fp32 tensor of t's values (t itself when it already is one): the RMSNorm loops
+// are written once, for float, and bf16 storage goes through one conversion each way.
+torch::Tensor AsFloat(const torch::Tensor& t) { return t.contiguous().to(torch::kFloat); }
+
+constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluC = 0.044715f;
+
+// ---- Memory-efficient attention -------------------------------------------------------------
+
+// Keys after their query are masked: true where key index > query index.
+torch::Tensor FutureMask(int64_t q0, int64_t q1, int64_t k0, int64_t k1, const torch::Device& d) {
+  torch::Tensor rows = torch::arange(q0, q1, torch::TensorOptions().dtype(torch::kLong).device(d));
+  torch::Tensor cols = torch::arange(k0, k1, torch::TensorOptions().dtype(torch::kLong).device(d));
+  return cols.unsqueeze(0).gt(rows.unsqueeze(1));
+}
+
+struct Attention : torch::autograd::Function<Attention> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor q, torch::Tensor k,
+                               torch::Tensor v, int64_t block) {
+    const int64_t t = q.size(2);
+    const double scale = 1.0 / std::sqrt(double(q.size(3)));
+    const torch::ScalarType type = q.scalar_type();
+    torch::Tensor out = torch::empty_like(q);
+    torch::Tensor lse = torch::empty({q.size(0), q.size(1), t}, q.options().dtype(torch::kFloat));
+    const float inf = std::numeric_limits<float>::infinity();
+    for (int64_t i0 = 0; i0 < t; i0 += block) {
+      const int64_t i1 = std::min(t, i0 + block);
+      const torch::Tensor qi = q.slice(2, i0, i1);
+      torch::Tensor m = torch::full({q.size(0), q.size(1), i1 - i0}, -inf, lse.options());
+      torch::Tensor l = torch::zeros_like(m);
+      torch::Tensor acc = torch::zeros({q.size(0), q.size(1), i1 - i0, q.size(3)}, lse.options());
+      for (int64_t j0 = 0; j0 < i1; j0 += block) {  // causal: no key block after the queries
+        const int64_t j1 = std::min(t, j0 + block);
+        torch::Tensor s =
+            torch::matmul(qi, k.slice(2, j0, j1).transpose(-2, -1)).to(torch::kFloat).mul_(scale);
+        if (j1 > i0 + 1) s.masked_fill_(FutureMask(i0, i1, j0, j1, q.device()), -inf);
+        const torch::Tensor m_new = torch::maximum(m, std::get<0>(s.max(-1)));
+        const torch::Tensor p = s.sub_(m_new.unsqueeze(-1)).exp_();
+        const torch::Tensor correction = (m - m_new).exp_();
+        l.mul_(correction).add_(p.sum(-1));
+        acc.mul_(correction.unsqueeze(-1))
+            .add_(torch::matmul(p.to(type), v.slice(2, j0, j1)).to(torch::kFloat));
+        m = m_new;
+      }
+      out.slice(2, i0, i1).copy_(acc.div_(l.unsqueeze(-1)));
+      lse.slice(2, i0, i1).copy_(m.add_(l.log_()));
+    }
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["block"] = block;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3],
+                        &lse = saved[4];
+    const int64_t block = ctx->saved_data["block"].toInt();
+    const torch::ScalarType type = q.scalar_type();
+    const int64_t t = q.size(2);
+    const double scale = 1.0 / std::sqrt(double(q.size(3)));
+    const torch::Tensor dout = grads[0].contiguous();
+    // FlashAttention-2's D = rowsum(dO ∘ O).
+    const torch::Tensor delta = (dout.to(torch::kFloat) * out.to(torch::kFloat)).sum(-1);
+    torch::Tensor dq = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat));
+    torch::Tensor dk = torch::empty_like(k), dv = torch::empty_like(v);
+    const float inf = std::numeric_limits<float>::infinity();
+    for (int64_t j0 = 0; j0 < t; j0 += block) {
+      const int64_t j1 = std::min(t, j0 + block);
+      const torch::Tensor kj = k.slice(2, j0, j1), vj = v.slice(2, j0, j1);
+      torch::Tensor dkj = torch::zeros(kj.sizes(), dq.options());
+      torch::Tensor dvj = torch::zeros(vj.sizes(), dq.options());
+      for (int64_t i0 = (j0 / block) * block; i0 < t; i0 += block) {  // queries at or after j0
+        const int64_t i1 = std::min(t, i0 + block);
+        const torch::Tensor qi = q.slice(2, i0, i1), doi = dout.slice(2, i0, i1);
+        torch::Tensor s = torch::matmul(qi, kj.transpose(-2, -1)).to(torch::kFloat).mul_(scale);
+        if (j1 > i0 + 1) s.masked_fill_(FutureMask(i0, i1, j0, j1, q.device()), -inf);
+        const torch::Tensor p = s.sub_(lse.slice(2, i0, i1).unsqueeze(-1)).exp_();
+        dvj.add_(torch::matmul(p.transpose(-2, -1).to(type), doi).to(torch::kFloat));
+        const torch::Tensor dp = torch::matmul(doi, vj.transpose(-2, -1)).to(torch::kFloat);
+        const torch::Tensor ds =
+            p.mul_(dp.sub_(delta.slice(2, i0, i1).unsqueeze(-1))).mul_(scale).to(type);
+        dq.slice(2, i0, i1).add_(torch::matmul(ds, kj).to(torch::kFloat));
+        dkj.add_(torch::matmul(ds.transpose(-2, -1), qi).to(torch::kFloat));
+      }
+      dk.slice(2, j0, j1).copy_(dkj);
+      dv.slice(2, j0, j1).copy_(dvj);
+    }
+    return {dq.to(type), dk, dv, torch::Tensor()};
+  }
+};
+
+// ---- RMSNorm --------------------------------------------------------------------------------
+
+struct RmsNorm : torch::autograd::Function<RmsNorm> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
+                               double eps) {
+    const int64_t c = x.size(-1), rows = x.numel() / c;
+    torch::Tensor rstd, normed;  // rstd: [rows] fp32
+    if (LoopKernel(x)) {
+      const torch::Tensor xf = AsFloat(x);
+      rstd = torch::empty({rows}, xf.options());
+      normed = torch::empty_like(xf);
+      const float* px = xf.data_ptr<float>();
+      float *pn = normed.data_ptr<float>(), *pr = rstd.data_ptr<float>();
+      at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const float* row = px + r * c;
+          float sum = 0;
+          for (int64_t i = 0; i < c; ++i) sum += row[i] * row[i];
+          const float inv = 1.0f / std::sqrt(sum / float(c) + float(eps));
+          pr[r] = inv;
+          for (int64_t i = 0; i < c; ++i) pn[r * c + i] = row[i] * inv;
+        }
+      });
+    } else {
+      const torch::Tensor xf = x.to(torch::kFloat);
+      rstd = torch::rsqrt(xf.pow(2).mean(-1, true) + eps);
+      normed = xf * rstd;
+      rstd = rstd.reshape({rows});
+    }
+    ctx->save_for_backward({x, weight, rstd});
+    // As the unfused path: normalised in fp32, rounded to the compute dtype, then scaled.
+    return normed.to(x.scalar_type()) * weight;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const int64_t c = x.size(-1), rows = x.numel() / c;
+    const torch::Tensor xf = AsFloat(x).view({rows, c});
+    const torch::Tensor dy = AsFloat(grads[0]).view({rows, c});
+    const torch::Tensor wf = AsFloat(weight);
+    torch::Tensor dx, dw;
+    if (LoopKernel(x)) {
+      dx = torch::empty_like(xf);
+      // dw: one partial row per chunk of rows, summed after.
+      const int64_t grain = 64, chunks = (rows + grain - 1) / grain;
+      torch::Tensor partial = torch::zeros({std::max<int64_t>(chunks, 1), c}, xf.options());
+      const float *px = xf.data_ptr<float>(), *pdy = dy.data_ptr<float>(),
+                  *pw = wf.data_ptr<float>(), *pr = rstd.data_ptr<float>();
+      float *pdx = dx.data_ptr<float>(), *pp = partial.data_ptr<float>();
+      at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t chunk = begin; chunk < end; ++chunk) {
+          float* pdw = pp + chunk * c;
+          for (int64_t r = chunk * grain; r < std::min(rows, (chunk + 1) * grain); ++r) {
+            const float *row = px + r * c, *g = pdy + r * c;
+            const float inv = pr[r];
+            // dx = inv · (g·w - n · mean(g·w·n)), n = x · inv.
+            float dot = 0;
+            for (int64_t i = 0; i < c; ++i) {
+              const float n = row[i] * inv;
+              pdw[i] += g[i] * n;
+              dot += g[i] * pw[i] * n;
+            }
+            dot /= float(c);
+            for (int64_t i = 0; i < c; ++i) {
+              pdx[r * c + i] = inv * (g[i] * pw[i] - row[i] * inv * dot);
+            }
+          }
+        }
+      });
+      dw = partial.sum(0);
+    } else {
+      const torch::Tensor inv = rstd.view({rows, 1});
+      const torch::Tensor n = xf * inv, gw = dy * wf;
+      dw = (dy * n).sum(0);
+      dx = inv * (gw - n * (gw * n).mean(-1, true));
+    }
+    return {dx.view(x.sizes()).to(x.scalar_type()), dw.to(weight.scalar_type()), torch::Tensor()};
+  }
+};
+
+// ---- bias + GELU, SwiGLU --------------------------------------------------------------------
+
+float Gelu(float a) { return 0.5f * a * (1.0f + std::tanh(kGeluK * (a + kGeluC * a * a * a))); }
+
+struct BiasGelu : torch::autograd::Function<BiasGelu> {
+  // `bias` has no elements when there is none: LibTorch 1.13's autograd functions take no
+  // undefined tensors.
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor given_bias) {
+    const torch::Tensor bias = given_bias.numel() > 0 ? given_bias : torch::Tensor();
+    ctx->saved_data["bias"] = bias.defined();
+    const bool loop = LoopKernel(x) && x.scalar_type() == torch::kFloat &&
+                      (!bias.defined() || bias.scalar_type() == torch::kFloat);
+    if (!loop) {
+      const torch::Tensor z = bias.defined() ? x + bias : x;
+      ctx->save_for_backward({z});
+      return torch::gelu(z, "tanh");
+    }
+    // One pass: z = x + bias (kept for backward) and gelu(z).
+    const torch::Tensor xc = x.contiguous();
+    torch::Tensor z = bias.defined() ? torch::empty_like(xc) : xc;
+    torch::Tensor y = torch::empty_like(xc);
+    const int64_t c = xc.size(-1);
+    const float* px = xc.data_ptr<float>();
+    const float* pb = bias.defined() ? bias.contiguous().data_ptr<float>() : nullptr;
+    float *pz = z.data_ptr<float>(), *py = y.data_ptr<float>();
+    at::parallel_for(0, xc.numel() / c, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t i = 0; i < c; ++i) {
+          const float a = px[r * c + i] + (pb ? pb[i] : 0.0f);
+          if (pb) pz[r * c + i] = a;
+          py[r * c + i] = Gelu(a);
+        }
+      }
+    });
+    ctx->save_for_backward({z});
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const torch::Tensor z = ctx->get_saved_variables()[0];
+    torch::Tensor dz;
+    if (LoopKernel(z) && z.scalar_type() == torch::kFloat &&
+        grads[0].scalar_type() == torch::kFloat) {
+      const torch::Tensor zc = z.contiguous(), g = grads[0].contiguous();
+      dz = torch::empty_like(zc);
+      const float *pz = zc.data_ptr<float>(), *pg = g.data_ptr<float>();
+      float* pd = dz.data_ptr<float>();
+      at::parallel_for(0, zc.numel(), 4096, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const float a = pz[i], th = std::tanh(kGeluK * (a + kGeluC * a * a * a));
+          pd[i] = pg[i] * (0.5f * (1.0f + th) +
+                           0.5f * a * (1.0f - th * th) * kGeluK * (1.0f + 3.0f * kGeluC * a * a));
+        }
+      });
+    } else {
+      dz = torch::gelu_backward(grads[0], z, "tanh");
+    }
+    torch::Tensor dbias;
+    if (ctx->saved_data["bias"].toBool()) dbias = dz.reshape({-1, dz.size(-1)}).sum(0);
+    return {dz, dbias};
+  }
+};
+
+struct SwiGlu : torch::autograd::Function<SwiGlu> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor gate, torch::Tensor up) {
+    ctx->save_for_backward({gate, up});
+    if (!LoopKernel(gate) || gate.scalar_type() != torch::kFloat ||
+        up.scalar_type() != torch::kFloat) {
+      return torch::silu(gate) * up;
+    }
+    const torch::Tensor g = gate.contiguous(), u = up.contiguous();
+    torch::Tensor y = torch::empty_like(g);
+    const float *pg = g.data_ptr<float>(), *pu = u.data_ptr<float>();
+    float* py = y.data_ptr<float>();
+    at::parallel_for(0, g.numel(), 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) py[i] = pg[i] / (1.0f + std::exp(-pg[i])) * pu[i];
+    });
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &gate = saved[0], &up = saved[1];
+    if (!LoopKernel(gate) || gate.scalar_type() != torch::kFloat ||
+        up.scalar_type() != torch::kFloat) {
+      const torch::Tensor sig = torch::sigmoid(gate);
+      const torch::Tensor silu = gate * sig;
+      return {grads[0] * up * sig * (1 + gate * (1 - sig)), grads[0] * silu};
+    }
+    const torch::Tensor g = gate.contiguous(), u = up.contiguous(), dy = grads[0].contiguous();
+    torch::Tensor dg = torch::empty_like(g), du = torch::empty_like(u);
+    const float *pg = g.data_ptr<float>(), *pu = u.data_ptr<float>(), *pdy = dy.data_ptr<float>();
+    float *pdg = dg.data_ptr<float>(), *pdu = du.data_ptr<float>();
+    at::parallel_for(0, g.numel(), 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float a = pg[i], sig = 1.0f / (1.0f + std::exp(-a));
+        pdu[i] = pdy[i] * a * sig;
+        pdg[i] = pdy[i] * pu[i] * sig * (1.0f + a * (1.0f - sig));
+      }
+    });
+    return {dg, du};
+  }
+};
+
+}  // namespace
+
+torch::Tensor MathAttention(const torch::Tensor& q, const torch::Tensor& k,
+                            const torch::Tensor& v) {
+  const int64_t t = q.size(2);
+  torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(q.size(3)));
+  torch::Tensor future =
+      torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  torch::Tensor probs = torch::softmax(scores, -1, torch::kFloat).to(q.scalar_type());
+  return torch::matmul(probs, v);
+}
+
+torch::Tensor MemoryEfficientAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                       const torch::Tensor& v, int64_t block) {
+  return Attention::apply(q, k, v, block);
+}
+
+torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return RmsNorm::apply(x, weight, eps);
+}
+
+torch::Tensor FusedBiasGelu(const torch::Tensor& x, const torch::Tensor& bias) {
+  return BiasGelu::apply(x, bias.defined() ? bias : torch::empty({0}, x.options()));
+}
+
+torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up) {
+  return SwiGlu::apply(gate, up);
+}
+
+}  // namespace cai::kernels

@@ -5,7 +5,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -26,6 +28,114 @@ torch::Tensor AsFloat(const torch::Tensor& t) { return t.contiguous().to(torch::
 
 constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluC = 0.044715f;
+
+// ---- Element-wise loops ---------------------------------------------------------------------
+//
+// Written so that the compiler vectorises them (kernels.cpp is built with -O3): no calls into
+// libm, whose scalar exp/tanh would serialise each element. On x86-64 each loop also has an
+// x86-64-v3 (AVX2, FMA) clone picked at load time, as ATen dispatches its own kernels.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CAI_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define CAI_VECTOR_CLONES
+#endif
+
+// e^x for x in [-87, 88] within ~2 ulp: e^x = 2^k · e^r with k = round(x / ln 2) and
+// |r| <= ln 2 / 2, e^r by its Taylor series to r^7 (relative error < 2e-8 there), and 2^k put
+// into the exponent bits.
+inline float Exp(float x) {
+  x = x < -87.0f ? -87.0f : x;  // selects, not calls: they vectorise
+  x = x > 88.0f ? 88.0f : x;
+  // Round to nearest by adding and removing 1.5 · 2^23 (no libm call, so it vectorises).
+  const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  // ln 2 in two parts, so that x - k·ln 2 loses nothing for |k| <= 127.
+  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// tanh(u) = 1 - 2 / (e^{2u} + 1); its absolute error (~1e-7) is what GELU, which multiplies
+// 1 + tanh by x / 2, sees.
+inline float Tanh(float u) { return 1.0f - 2.0f / (Exp(2.0f * u) + 1.0f); }
+
+inline float Gelu(float a) { return 0.5f * a * (1.0f + Tanh(kGeluK * (a + kGeluC * a * a * a))); }
+
+// z = x + bias (kept for backward) and y = gelu(z), rows of c.
+CAI_VECTOR_CLONES void BiasGeluForwardLoop(const float* x, const float* bias, int64_t rows,
+                                           int64_t c, float* z, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < c; ++i) {
+      const float a = x[r * c + i] + bias[i];
+      z[r * c + i] = a;
+      y[r * c + i] = Gelu(a);
+    }
+  }
+}
+
+CAI_VECTOR_CLONES void GeluForwardLoop(const float* x, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = Gelu(x[i]);
+}
+
+CAI_VECTOR_CLONES void GeluBackwardLoop(const float* z, const float* g, int64_t n, float* dz) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = z[i], th = Tanh(kGeluK * (a + kGeluC * a * a * a));
+    dz[i] = g[i] * (0.5f * (1.0f + th) +
+                    0.5f * a * (1.0f - th * th) * kGeluK * (1.0f + 3.0f * kGeluC * a * a));
+  }
+}
+
+CAI_VECTOR_CLONES void SwiGluForwardLoop(const float* gate, const float* up, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = gate[i] / (1.0f + Exp(-gate[i])) * up[i];
+}
+
+CAI_VECTOR_CLONES void SwiGluBackwardLoop(const float* gate, const float* up, const float* dy,
+                                          int64_t n, float* dgate, float* dup) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = gate[i], sig = 1.0f / (1.0f + Exp(-a));
+    dup[i] = dy[i] * a * sig;
+    dgate[i] = dy[i] * up[i] * sig * (1.0f + a * (1.0f - sig));
+  }
+}
+
+CAI_VECTOR_CLONES void RmsNormForwardLoop(const float* x, int64_t rows, int64_t c, float eps,
+                                          float* normed, float* rstd) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * c;
+    float sum = 0;
+    for (int64_t i = 0; i < c; ++i) sum += row[i] * row[i];
+    const float inv = 1.0f / std::sqrt(sum / float(c) + eps);
+    rstd[r] = inv;
+    for (int64_t i = 0; i < c; ++i) normed[r * c + i] = row[i] * inv;
+  }
+}
+
+// dx = inv · (g·w - n · mean(g·w·n)), n = x · inv; dw accumulates g·n.
+CAI_VECTOR_CLONES void RmsNormBackwardLoop(const float* x, const float* g, const float* w,
+                                           const float* rstd, int64_t rows, int64_t c, float* dx,
+                                           float* dw) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *row = x + r * c, *gr = g + r * c;
+    const float inv = rstd[r];
+    float dot = 0;
+    for (int64_t i = 0; i < c; ++i) {
+      const float n = row[i] * inv;
+      dw[i] += gr[i] * n;
+      dot += gr[i] * w[i] * n;
+    }
+    dot /= float(c);
+    for (int64_t i = 0; i < c; ++i) dx[r * c + i] = inv * (gr[i] * w[i] - row[i] * inv * dot);
+  }
+}
 
 // ---- Memory-efficient attention -------------------------------------------------------------
 
@@ -125,14 +235,7 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
       const float* px = xf.data_ptr<float>();
       float *pn = normed.data_ptr<float>(), *pr = rstd.data_ptr<float>();
       at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const float* row = px + r * c;
-          float sum = 0;
-          for (int64_t i = 0; i < c; ++i) sum += row[i] * row[i];
-          const float inv = 1.0f / std::sqrt(sum / float(c) + float(eps));
-          pr[r] = inv;
-          for (int64_t i = 0; i < c; ++i) pn[r * c + i] = row[i] * inv;
-        }
+        RmsNormForwardLoop(px + begin * c, end - begin, c, float(eps), pn + begin * c, pr + begin);
       });
     } else {
       const torch::Tensor xf = x.to(torch::kFloat);
@@ -163,22 +266,9 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
       float *pdx = dx.data_ptr<float>(), *pp = partial.data_ptr<float>();
       at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t chunk = begin; chunk < end; ++chunk) {
-          float* pdw = pp + chunk * c;
-          for (int64_t r = chunk * grain; r < std::min(rows, (chunk + 1) * grain); ++r) {
-            const float *row = px + r * c, *g = pdy + r * c;
-            const float inv = pr[r];
-            // dx = inv · (g·w - n · mean(g·w·n)), n = x · inv.
-            float dot = 0;
-            for (int64_t i = 0; i < c; ++i) {
-              const float n = row[i] * inv;
-              pdw[i] += g[i] * n;
-              dot += g[i] * pw[i] * n;
-            }
-            dot /= float(c);
-            for (int64_t i = 0; i < c; ++i) {
-              pdx[r * c + i] = inv * (g[i] * pw[i] - row[i] * inv * dot);
-            }
-          }
+          const int64_t first = chunk * grain, count = std::min(rows, first + grain) - first;
+          RmsNormBackwardLoop(px + first * c, pdy + first * c, pw, pr + first, count, c,
+                              pdx + first * c, pp + chunk * c);
         }
       });
       dw = partial.sum(0);
@@ -193,8 +283,6 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
 };
 
 // ---- bias + GELU, SwiGLU --------------------------------------------------------------------
-
-float Gelu(float a) { return 0.5f * a * (1.0f + std::tanh(kGeluK * (a + kGeluC * a * a * a))); }
 
 struct BiasGelu : torch::autograd::Function<BiasGelu> {
   // `bias` has no elements when there is none: LibTorch 1.13's autograd functions take no
@@ -215,15 +303,14 @@ struct BiasGelu : torch::autograd::Function<BiasGelu> {
     torch::Tensor y = torch::empty_like(xc);
     const int64_t c = xc.size(-1);
     const float* px = xc.data_ptr<float>();
-    const float* pb = bias.defined() ? bias.contiguous().data_ptr<float>() : nullptr;
+    const torch::Tensor bc = bias.defined() ? bias.contiguous() : torch::Tensor();
+    const float* pb = bc.defined() ? bc.data_ptr<float>() : nullptr;
     float *pz = z.data_ptr<float>(), *py = y.data_ptr<float>();
     at::parallel_for(0, xc.numel() / c, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t i = 0; i < c; ++i) {
-          const float a = px[r * c + i] + (pb ? pb[i] : 0.0f);
-          if (pb) pz[r * c + i] = a;
-          py[r * c + i] = Gelu(a);
-        }
+      if (pb) {
+        BiasGeluForwardLoop(px + begin * c, pb, end - begin, c, pz + begin * c, py + begin * c);
+      } else {
+        GeluForwardLoop(px + begin * c, (end - begin) * c, py + begin * c);
       }
     });
     ctx->save_for_backward({z});
@@ -239,11 +326,7 @@ struct BiasGelu : torch::autograd::Function<BiasGelu> {
       const float *pz = zc.data_ptr<float>(), *pg = g.data_ptr<float>();
       float* pd = dz.data_ptr<float>();
       at::parallel_for(0, zc.numel(), 4096, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const float a = pz[i], th = std::tanh(kGeluK * (a + kGeluC * a * a * a));
-          pd[i] = pg[i] * (0.5f * (1.0f + th) +
-                           0.5f * a * (1.0f - th * th) * kGeluK * (1.0f + 3.0f * kGeluC * a * a));
-        }
+        GeluBackwardLoop(pz + begin, pg + begin, end - begin, pd + begin);
       });
     } else {
       dz = torch::gelu_backward(grads[0], z, "tanh");
@@ -266,7 +349,7 @@ struct SwiGlu : torch::autograd::Function<SwiGlu> {
     const float *pg = g.data_ptr<float>(), *pu = u.data_ptr<float>();
     float* py = y.data_ptr<float>();
     at::parallel_for(0, g.numel(), 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) py[i] = pg[i] / (1.0f + std::exp(-pg[i])) * pu[i];
+      SwiGluForwardLoop(pg + begin, pu + begin, end - begin, py + begin);
     });
     return y;
   }
@@ -284,11 +367,8 @@ struct SwiGlu : torch::autograd::Function<SwiGlu> {
     const float *pg = g.data_ptr<float>(), *pu = u.data_ptr<float>(), *pdy = dy.data_ptr<float>();
     float *pdg = dg.data_ptr<float>(), *pdu = du.data_ptr<float>();
     at::parallel_for(0, g.numel(), 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const float a = pg[i], sig = 1.0f / (1.0f + std::exp(-a));
-        pdu[i] = pdy[i] * a * sig;
-        pdg[i] = pdy[i] * pu[i] * sig * (1.0f + a * (1.0f - sig));
-      }
+      SwiGluBackwardLoop(pg + begin, pu + begin, pdy + begin, end - begin, pdg + begin,
+                         pdu + begin);
     });
     return {dg, du};
   }

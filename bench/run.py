@@ -10,7 +10,8 @@ to collectives per step: cai's from summary.json (comm_bytes_per_step_mean), the
 analytic (they count nothing).
 
 References: ddp -> torch-ddp (DistributedDataParallel); zero1, zero2, zero2-offload, fsdp ->
-torch-zero (DDP + ZeroRedundancyOptimizer: PyTorch 1.13's FullyShardedDataParallel needs CUDA).
+torch-zero (DDP + ZeroRedundancyOptimizer: PyTorch 1.13's FullyShardedDataParallel needs CUDA);
+tp2 -> torch-tp (Megatron-LM's f/g written by hand: 1.13 has no tensor-parallel API).
 The peers are GPT-2 in fp32 only; for a Llama or bf16 job the candidates are compared with the
 first of --strategies instead, and the report says so.
 
@@ -53,18 +54,32 @@ STRATEGIES = {  # name: (plugin, its [plugin.<name>] table, PyTorch peer)
     "gemini-host": ("gemini", "offload_optim_frac = 1.0\n", "torch-zero"),
     "gemini-nvme": ("gemini", "offload_optim_frac = 1.0\nnvme_offload_fraction = 1.0\n"
                     "nvme_offload_masters = true\n", "torch-zero"),
+    # Megatron-LM tensor parallelism over both ranks (hybrid_parallel, tp_size 2: no data
+    # parallelism, every rank runs the whole global batch on half of each block).
+    "tp2": ("hybrid_parallel", "tp_size = 2\n", "torch-tp"),
     # The reduce-scatter waited for in backward (before/after async_reduce_scatter).
     "fsdp-sync-rs": ("fsdp", 'sharding_strategy = "FULL_SHARD"\nasync_reduce_scatter = false\n',
                      "torch-zero"),
 }
 
-# name: (script in bench/peers, bytes one rank hands to collectives per step in units of Ψ,
-# how). Counted as cai counts: a collective's whole buffer, fp32 gradients and parameters.
+def megatron_bytes(job, psi):
+    """fp32 bytes of Megatron's f/g all-reduces per step: (4L + 2)·B·T·e, and 3·B·T for the
+    distributed cross-entropy."""
+    tokens = job.global_batch * job.seq_len
+    return 4 * ((4 * job.n_layer + 2) * tokens * job.n_embd + 3 * tokens)
+
+
+# name: (script in bench/peers, bytes one rank hands to collectives per step as a function of
+# the job and Ψ, how). Counted as cai counts: a collective's whole buffer, fp32 gradients and
+# parameters.
 PEERS = {
-    "torch-ddp": ("ddp_gpt2_torch.py", 4, "all-reduce of the gradients, 4Ψ"),
-    "torch-zero": ("zero_gpt2_torch.py", 8,
+    "torch-ddp": ("ddp_gpt2_torch.py", lambda job, psi: 4 * psi,
+                  "all-reduce of the gradients, 4Ψ"),
+    "torch-zero": ("zero_gpt2_torch.py", lambda job, psi: 8 * psi,
                    "all-reduce of the gradients 4Ψ + broadcast of every parameter from its "
                    "owner 4Ψ"),
+    "torch-tp": ("tp_gpt2_torch.py", megatron_bytes,
+                 "Megatron's f/g all-reduces, 4·((4L + 2)·B·T·e + 3·B·T) for the global batch"),
 }
 
 # Global batch x seq_len is the same 2048 tokens a step for the larger sizes: enough work per
@@ -281,11 +296,12 @@ def run_candidate(build, args, work, pair, name):
 
 
 def run_peer(args, name):
-    script, psi_units, how = PEERS[name]
+    script, bytes_per_step, how = PEERS[name]
     result = benchlib.run_peer(args, benchlib.peer_command(args, script))
     return {"side": "peer", "tokens_per_s": result["tokens_per_s"],
             "peak_rss_bytes": result["peak_rss_bytes"],
-            "bytes_per_step": psi_units * result["params"], "bytes_basis": "analytic: " + how,
+            "bytes_per_step": bytes_per_step(args, result["params"]),
+            "bytes_basis": "analytic: " + how,
             "raw": result}
 
 

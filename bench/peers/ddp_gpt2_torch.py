@@ -112,6 +112,16 @@ def rank_main(rank, args, port, results, make_optimizer=adamw, peer="torch_ddp")
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+    report(rank, args, results, peer, times, sum(p.numel() for p in model.parameters()))
+    # Every figure is out. Tearing DDP down can deadlock in PyTorch 1.13 (~ProcessGroupGloo
+    # waits for a mutex its worker thread holds while that thread waits for the GIL: seen under
+    # gdb, one run in a few at 30M), so the rank leaves without running destructors.
+    os._exit(0)
+
+
+def report(rank, args, results, peer, times, params):
+    """Puts rank 0's JSON figures on `results`: tokens/s over the median step after the first,
+    every rank's peak RSS (collective: every rank calls it)."""
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     gathered = [None] * args.nproc
     dist.all_gather_object(gathered, peak_rss)
@@ -119,12 +129,7 @@ def rank_main(rank, args, port, results, make_optimizer=adamw, peer="torch_ddp")
         step = statistics.median(times[1:])
         results.put({"peer": peer, "torch": torch.__version__, "ranks": args.nproc,
                      "tokens_per_s": args.global_batch * args.seq_len / step,
-                     "median_step_time_s": step, "peak_rss_bytes": gathered,
-                     "params": sum(p.numel() for p in model.parameters())})
-    # Every figure is out. Tearing DDP down can deadlock in PyTorch 1.13 (~ProcessGroupGloo
-    # waits for a mutex its worker thread holds while that thread waits for the GIL: seen under
-    # gdb, one run in a few at 30M), so the rank leaves without running destructors.
-    os._exit(0)
+                     "median_step_time_s": step, "peak_rss_bytes": gathered, "params": params})
 
 
 def parser(description):

@@ -20,8 +20,9 @@
 #   which rerun a parity test's training to count;
 # - a second mixed-precision test of one strategy (its fp16 test keeps the casts and scaling);
 # - gemini's budget runs (its NVMe, host and auto placements are kept at small sizes);
-# - tensor parallelism's padded-vocabulary, bf16, accounting and checkpoint-matrix runs (its
-#   tp 2 and 3, grid, Llama and kernel tests run the same split, padding and gather code).
+# - tensor parallelism's padded-vocabulary, bf16, accounting, grid, Llama and checkpoint-matrix
+#   runs (its tp 2 and 3 test and its Llama tp 2 run with every kernel run the same split,
+#   padding, gather and distributed loss code).
 skip=(
   'Train\.DefaultJob_LearnsBelowStatedLoss' 'Shards/KillInSave\..*' 'Style_.*'
   'Sdk_ExamplePlugin_BuildsOutOfTree.*'
@@ -33,7 +34,7 @@ skip=(
   'LowLevelZero\.(Stage2_SmallBuckets|Stage1_OneTwoThreeRanks|CommunicationPerStep|Memory_|Bf16_).*'
   'FsdpParity\.(SaveFullOnTwoRanksResumeOnThree|SaveShardedOnThreeRanksResumeOnTwo|TwoAndThreeRanks_BufferDtype).*'
   'DdpParity\.Ddp_TwoRanks_AllReduceBytesEqualGradientBytes'
-  'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama|Tp_PaddedVocabulary|Bf16_Tp2|Tp2_Communication|Checkpoint_Tp2Pp2).*'
+  'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama|Tp_PaddedVocabulary|Bf16_Tp2|Tp2_Communication|Checkpoint_Tp2Pp2|Tp2Pp2AndTp2Dp2|Tp2_LlamaGqa).*'
   'GeminiParity\.(TwoRanks_ChunkSearch|FourRanks_ExtraDataParallel|Bf16AndFp16|TwoAndThreeRanks_HostPlacement).*' 'GeminiBudget\..*'
 )
 # usage: scripts/sanitize.sh [ctest arguments...]

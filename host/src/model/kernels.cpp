@@ -43,9 +43,10 @@ constexpr float kGeluC = 0.044715f;
 // e^x for x in [-87, 88] within ~2 ulp: e^x = 2^k · e^r with k = round(x / ln 2) and
 // |r| <= ln 2 / 2, e^r by its Taylor series to r^7 (relative error < 2e-8 there), and 2^k put
 // into the exponent bits.
-inline float Exp(float x) {
-  x = x < -87.0f ? -87.0f : x;  // selects, not calls: they vectorise
-  x = x > 88.0f ? 88.0f : x;
+inline float Exp(float in) {
+  // Clamped so that k converts to an int32 defined (NaN too); a NaN input still returns NaN
+  // below, so that overflow checks downstream see it.
+  const float x = in > -87.0f ? (in < 88.0f ? in : 88.0f) : -87.0f;
   // Round to nearest by adding and removing 1.5 · 2^23 (no libm call, so it vectorises).
   const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   // ln 2 in two parts, so that x - k·ln 2 loses nothing for |k| <= 127.
@@ -61,7 +62,7 @@ inline float Exp(float x) {
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return in == in ? p * scale : in;
 }
 
 // tanh(u) = 1 - 2 / (e^{2u} + 1); its absolute error (~1e-7) is what GELU, which multiplies

@@ -128,6 +128,19 @@ TEST(Kernels, FusedBiasGeluAndSwiGlu_MatchComposedOps) {
       "SwiGLU bf16");
 }
 
+// Non-finite activations stay non-finite (fp16 loss scaling looks for them in the gradients),
+// and large ones saturate as the composed ops do.
+TEST(Kernels, FusedActivations_PropagateNanAndSaturate) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const torch::Tensor x = torch::tensor({nan, -200.0f, 200.0f, 0.0f});
+  const torch::Tensor gelu = kernels::FusedBiasGelu(x, {});
+  const torch::Tensor swiglu = kernels::FusedSwiGlu(x, torch::ones({4}));
+  EXPECT_TRUE(std::isnan(gelu[0].item<float>()));
+  EXPECT_TRUE(std::isnan(swiglu[0].item<float>()));
+  EXPECT_TRUE(torch::allclose(gelu.slice(0, 1), torch::gelu(x.slice(0, 1), "tanh")));
+  EXPECT_TRUE(torch::allclose(swiglu.slice(0, 1), torch::silu(x.slice(0, 1))));
+}
+
 // ---- Whole models ---------------------------------------------------------------------------
 
 struct Loss {

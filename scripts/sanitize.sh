@@ -34,7 +34,7 @@ skip=(
   'LowLevelZero\.(Stage2_SmallBuckets|Stage1_OneTwoThreeRanks|CommunicationPerStep|Memory_|Bf16_).*'
   'FsdpParity\.(SaveFullOnTwoRanksResumeOnThree|SaveShardedOnThreeRanksResumeOnTwo|TwoAndThreeRanks_BufferDtype).*'
   'DdpParity\.Ddp_TwoRanks_AllReduceBytesEqualGradientBytes'
-  'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama|Tp_PaddedVocabulary|Bf16_Tp2|Tp2_Communication|Checkpoint_Tp2Pp2|Tp2Pp2AndTp2Dp2|Tp2_LlamaGqa).*'
+  'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama|Tp_PaddedVocabulary|Bf16_Tp2|Tp2_Communication|Checkpoint_Tp2Pp2|Tp2Pp2AndTp2Dp2|Tp2_LlamaGqa|ActivationMemoryPerBlock).*'
   'GeminiParity\.(TwoRanks_ChunkSearch|FourRanks_ExtraDataParallel|Bf16AndFp16|TwoAndThreeRanks_HostPlacement).*' 'GeminiBudget\..*'
 )
 # usage: scripts/sanitize.sh [ctest arguments...]

@@ -456,3 +456,40 @@ TEST(HybridParallel, AllOptimizationsAndPerStageRecompute_MatchReference) {
   EXPECT_NE(many.output.find("to recompute 3 blocks but it holds 2"), std::string::npos)
       << many.output;
 }
+
+// Activation memory per block against Korthikanti et al. (2022, "Reducing Activation
+// Recomputation in Large Transformer Models", section 4), restated for this model: fp32 (4
+// bytes), no dropout (no masks, no dropout outputs), so a GPT-2 block keeps its input and its
+// two norms' outputs and the attention's residual (4·s·b·h elements, whole on every rank),
+// q/k/v, the attention output and the MLP's two 4h-wide tensors (12·s·b·h, split over tp),
+// and the softmax output (a·s²·b, split over tp): 4·s·b·h·(4 + 12/t) + 4·a·s²·b/t bytes.
+// Measured as LibTorch's peak (summary.json framework_peak_bytes, the same on every rank) at 8
+// blocks less at 4, over 4, with the gradients in the data-parallel buckets
+// (gradient_as_bucket_view), so that LibTorch's own gradient tensors do not count.
+TEST(HybridParallel, ActivationMemoryPerBlock_MatchesKorthikanti) {
+  const double s = 64, b = 4, h = 128, a = 4;
+  auto per_block = [&](int tp) {
+    std::vector<double> peaks;
+    for (int layers : {4, 8}) {
+      const TrainRun run = Hybrid(
+          "act_tp" + std::to_string(tp) + "_l" + std::to_string(layers), tp,
+          // Gradients straight into the buckets (the pool's): LibTorch holds activations alone.
+          {"tp_size=" + std::to_string(tp), "gradient_as_bucket_view=true"},
+          {"model.n_layer=" + std::to_string(layers), "model.n_embd=128", "model.n_head=4",
+           "model.n_ctx=64", "train.seq_len=64", "train.global_batch=4", "train.grad_accum=1",
+           "train.steps=2", "data.eval_fraction=0"});
+      EXPECT_EQ(run.exit_code, 0) << run.output;
+      const std::vector<double> p = cai::testing::PerRank(run, "rank", "framework_peak_bytes");
+      EXPECT_EQ(p.size(), size_t(tp)) << run.summary;
+      peaks.push_back(p.empty() ? 0 : p[0]);
+    }
+    return (peaks[1] - peaks[0]) / 4;
+  };
+  for (int tp : {1, 2}) {
+    const double measured = per_block(tp);
+    const double formula = 4 * s * b * h * (4 + 12.0 / tp) + 4 * a * s * s * b / tp;
+    std::printf("tp %d: activation memory per block %.0f B measured, %.0f B by the formula\n", tp,
+                measured, formula);
+    EXPECT_NEAR(measured, formula, 0.1 * formula) << "tp " << tp;
+  }
+}

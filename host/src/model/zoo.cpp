@@ -7,6 +7,7 @@
 #include "core/status.h"
 #include "model/kernels.h"
 #include "model/network.h"
+#include "model/tensor_parallel.h"
 #include "model/torch_compat.h"
 
 namespace cai {
@@ -113,113 +114,6 @@ torch::Tensor MergeHeads(const torch::Tensor& x) {
   return x.transpose(1, 2).contiguous().view({x.size(0), x.size(2), -1});
 }
 
-// ---- Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", section 3) ---------------------
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// Autograd contexts hold IValues; the network (and its group) outlives every graph it builds.
-int64_t Handle(const TensorParallelGroup* group) {
-  return static_cast<int64_t>(reinterpret_cast<intptr_t>(group));
-}
-const TensorParallelGroup& GroupOf(int64_t handle) {
-  return *reinterpret_cast<const TensorParallelGroup*>(static_cast<intptr_t>(handle));
-}
-const TensorParallelGroup& GroupOf(AutogradContext* ctx) {
-  return GroupOf(ctx->saved_data["group"].toInt());
-}
-
-// Megatron's f: identity forward, all-reduce of the gradient backward. It stands before the
-// column-parallel projections, whose input every rank holds whole.
-struct CopyToGroup : torch::autograd::Function<CopyToGroup> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return x;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    // A copy: autograd may hand the same gradient tensor to another branch (the residual).
-    torch::Tensor grad = grads[0].clone(at::MemoryFormat::Contiguous);
-    GroupOf(ctx).all_reduce(grad, CAI_REDUCE_SUM);
-    return {grad, torch::Tensor()};
-  }
-};
-
-// Megatron's g: all-reduce forward, identity backward. It follows the row-parallel
-// projections, whose outputs are partial sums.
-struct ReduceFromGroup : torch::autograd::Function<ReduceFromGroup> {
-  static torch::Tensor forward(AutogradContext*, torch::Tensor x, int64_t group) {
-    // The projection's fresh output, which nothing else reads: reduced in place.
-    torch::Tensor out = x.contiguous();
-    GroupOf(group).all_reduce(out, CAI_REDUCE_SUM);
-    return out;
-  }
-  static variable_list backward(AutogradContext*, variable_list grads) {
-    return {grads[0], torch::Tensor()};
-  }
-};
-
-// The vocabulary-parallel logits [N, part] of every rank side by side [N, size·part]
-// (parallel_output = false); backward keeps this rank's columns.
-struct GatherFromGroup : torch::autograd::Function<GatherFromGroup> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    const TensorParallelGroup& g = GroupOf(group);
-    torch::Tensor in = x.contiguous();
-    torch::Tensor out = torch::empty({g.size, x.size(0), x.size(1)}, x.options());
-    g.all_gather(in, out);
-    return out.permute({1, 0, 2}).reshape({x.size(0), g.size * x.size(1)});
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const TensorParallelGroup& g = GroupOf(ctx);
-    torch::Tensor grad = grads[0].view({grads[0].size(0), g.size, -1}).select(1, g.rank);
-    return {grad.contiguous(), torch::Tensor()};
-  }
-};
-
-// Cross-entropy over vocabulary-parallel logits (Megatron's vocab_parallel_cross_entropy): each
-// rank holds the columns [start, start + part) of the fp32 logits [N, part]; the maxima, the
-// softmax denominators and the targets' logits are all-reduced (3·N floats), so no rank ever
-// holds the whole logits. Mean over the targets other than `ignore`, as cross_entropy.
-struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor logits, torch::Tensor targets,
-                               int64_t group, int64_t start, int64_t ignore) {
-    const TensorParallelGroup& g = GroupOf(group);
-    const int64_t n = logits.size(0), part = logits.size(1);
-    torch::Tensor max =
-        part > 0 ? std::get<0>(logits.max(1)).contiguous()
-                 : torch::full({n}, -std::numeric_limits<float>::infinity(), logits.options());
-    g.all_reduce(max, CAI_REDUCE_MAX);
-    torch::Tensor exp = (logits - max.unsqueeze(1)).exp_();
-    torch::Tensor sum = exp.sum(1).contiguous();
-    g.all_reduce(sum, CAI_REDUCE_SUM);
-    const torch::Tensor counted = targets.ne(ignore);
-    const torch::Tensor here =
-        counted.logical_and(targets.ge(start)).logical_and(targets.lt(start + part));
-    const torch::Tensor column = (targets - start).masked_fill(here.logical_not(), 0);
-    torch::Tensor picked = part > 0 ? logits.gather(1, column.unsqueeze(1)).squeeze(1)
-                                    : torch::zeros({n}, logits.options());
-    picked = picked.masked_fill(here.logical_not(), 0).contiguous();
-    g.all_reduce(picked, CAI_REDUCE_SUM);
-    // log Σ exp(l) - l_target, with the maximum taken out of the sum.
-    const torch::Tensor per_row = (sum.log() + max - picked).masked_fill(counted.logical_not(), 0);
-    const torch::Tensor count = counted.sum().to(logits.scalar_type());
-    ctx->save_for_backward({exp.div_(sum.unsqueeze(1)), column, here, counted, count});
-    return per_row.sum() / count;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list saved = ctx->get_saved_variables();
-    torch::Tensor grad = saved[0];  // softmax; this graph's backward runs once
-    const torch::Tensor& column = saved[1];
-    const torch::Tensor& here = saved[2];
-    const torch::Tensor& counted = saved[3];
-    if (grad.size(1) > 0) {
-      grad.scatter_add_(1, column.unsqueeze(1), -here.to(grad.scalar_type()).unsqueeze(1));
-    }
-    grad.mul_((counted.to(grad.scalar_type()) * (grads[0] / saved[4])).unsqueeze(1));
-    return {grad, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
-  }
-};
-
 class ZooNetwork : public Network {
  public:
   void EnableKernels(uint64_t kernels) override {
@@ -258,30 +152,13 @@ class ZooNetwork : public Network {
     divides(ffn_, "the MLP width (ffn_hidden)");
     const int64_t multiple = n * std::max<int64_t>(1, options.vocab_divisible_by);
     padded_vocab_ = (c_.vocab_size + multiple - 1) / multiple * multiple;
-    torch::NoGradGuard no_grad;
     for (ParamSpec& p : params) {
       p.global_shape = p.tensor.sizes().vec();
       if (p.parallel_dim < 0) continue;
-      const int32_t dim = p.parallel_dim;
       const bool vocab = p.role == CAI_ROLE_EMBEDDING || p.role == CAI_ROLE_LM_HEAD;
       const int32_t blocks = p.role == CAI_ROLE_ATTN_QKV ? 3 : 1;
-      const int64_t block = p.tensor.size(dim) / blocks;
-      const int64_t padded_block = vocab ? padded_vocab_ : block;
-      const int64_t part = padded_block / n, first = group.rank * part;
-      std::vector<torch::Tensor> pieces;
-      for (int32_t b = 0; b < blocks; ++b) {
-        const int64_t count = std::clamp<int64_t>(block - first, 0, part);
-        if (count > 0) pieces.push_back(p.tensor.narrow(dim, b * block + first, count));
-        if (count < part) {  // the padding of the vocabulary: zeros, never read
-          std::vector<int64_t> shape = p.global_shape;
-          shape[dim] = part - count;
-          pieces.push_back(torch::zeros(shape, p.tensor.options()));
-        }
-      }
-      p.tensor.set_data(torch::cat(pieces, dim).contiguous());
-      p.tp_dim = dim;
-      p.tp_blocks = blocks;
-      p.tp_padded = padded_block * blocks;
+      tp::SliceParam(p, p.parallel_dim, blocks,
+                     vocab ? padded_vocab_ : p.tensor.size(p.parallel_dim) / blocks, group);
     }
     heads_ = c_.n_head / n;
     kv_heads_ = n_kv_head_ / n;
@@ -294,13 +171,13 @@ class ZooNetwork : public Network {
     if (tp_.size == 1) return Network::CrossEntropy(logits, targets, ignore_index);
     const torch::Tensor local = logits.to(torch::kFloat);
     if (gather_output_) {
-      torch::Tensor whole = GatherFromGroup::apply(local, Handle(&tp_));
+      torch::Tensor whole = tp::GatherLastDim(local, tp_);
       return Network::CrossEntropy(whole.slice(1, 0, c_.vocab_size), targets, ignore_index);
     }
     const int64_t part = local.size(1), start = tp_.rank * part;
     const int64_t real = std::clamp<int64_t>(c_.vocab_size - start, 0, part);
-    return VocabParallelCrossEntropy::apply(local.slice(1, 0, real), targets, Handle(&tp_), start,
-                                            ignore_index);
+    return tp::VocabParallelCrossEntropy(local.slice(1, 0, real), targets, tp_, start,
+                                         ignore_index);
   }
 
  protected:
@@ -320,12 +197,12 @@ class ZooNetwork : public Network {
 
   // The input of column-parallel projections (f), the output of row-parallel ones (g).
   torch::Tensor ToGroup(const torch::Tensor& x) const {
-    return tp_.size == 1 ? x : CopyToGroup::apply(x, Handle(&tp_));
+    return tp_.size == 1 ? x : tp::CopyToGroup(x, tp_);
   }
   // A row-parallel projection: partial products summed over the group, the bias added once.
   torch::Tensor RowLinear(const torch::Tensor& x, uint32_t w, uint32_t b) const {
     if (tp_.size == 1) return Linear(x, W(w), Wb(b));
-    torch::Tensor y = ReduceFromGroup::apply(Linear(x, W(w), {}), Handle(&tp_));
+    torch::Tensor y = tp::ReduceFromGroup(Linear(x, W(w), {}), tp_);
     return b == kNone ? y : y + W(b);
   }
   // Token embedding; under tensor parallelism each rank looks up the tokens of its rows of
@@ -336,7 +213,7 @@ class ZooNetwork : public Network {
     const torch::Tensor outside = tokens.lt(start).logical_or(tokens.ge(start + part));
     torch::Tensor rows = torch::embedding(W(index), (tokens - start).masked_fill(outside, 0));
     rows = rows.masked_fill(outside.unsqueeze(-1), 0);
-    return ReduceFromGroup::apply(rows, Handle(&tp_));
+    return tp::ReduceFromGroup(rows, tp_);
   }
   int32_t Block(int64_t layer) const { return static_cast<int32_t>(layer + 1); }
   int32_t Head() const { return static_cast<int32_t>(c_.n_layer + 1); }

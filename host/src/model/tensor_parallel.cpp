@@ -1,0 +1,149 @@
+#include "model/tensor_parallel.h"
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace cai::tp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Autograd contexts hold IValues: the group travels as its address.
+int64_t Handle(const TensorParallelGroup& group) {
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(&group));
+}
+const TensorParallelGroup& GroupOf(int64_t handle) {
+  return *reinterpret_cast<const TensorParallelGroup*>(static_cast<intptr_t>(handle));
+}
+const TensorParallelGroup& GroupOf(AutogradContext* ctx) {
+  return GroupOf(ctx->saved_data["group"].toInt());
+}
+
+struct Copy : torch::autograd::Function<Copy> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // A copy: autograd may hand the same gradient tensor to another branch (the residual).
+    torch::Tensor grad = grads[0].clone(at::MemoryFormat::Contiguous);
+    GroupOf(ctx).all_reduce(grad, CAI_REDUCE_SUM);
+    return {grad, torch::Tensor()};
+  }
+};
+
+struct Reduce : torch::autograd::Function<Reduce> {
+  static torch::Tensor forward(AutogradContext*, torch::Tensor x, int64_t group) {
+    torch::Tensor out = x.contiguous();
+    GroupOf(group).all_reduce(out, CAI_REDUCE_SUM);
+    return out;
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    return {grads[0], torch::Tensor()};
+  }
+};
+
+struct Gather : torch::autograd::Function<Gather> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    const TensorParallelGroup& g = GroupOf(group);
+    torch::Tensor in = x.contiguous();
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.insert(shape.begin(), g.size);
+    torch::Tensor out = torch::empty(shape, x.options());
+    g.all_gather(in, out);
+    std::vector<int64_t> whole = x.sizes().vec();
+    whole.back() *= g.size;
+    return out.movedim(0, -2).reshape(whole);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const TensorParallelGroup& g = GroupOf(ctx);
+    std::vector<int64_t> split = grads[0].sizes().vec();
+    split.back() /= g.size;
+    split.insert(split.end() - 1, g.size);
+    torch::Tensor grad = grads[0].reshape(split).select(-2, g.rank);
+    return {grad.contiguous(), torch::Tensor()};
+  }
+};
+
+struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor logits, torch::Tensor targets,
+                               int64_t group, int64_t start, int64_t ignore) {
+    const TensorParallelGroup& g = GroupOf(group);
+    const int64_t n = logits.size(0), part = logits.size(1);
+    torch::Tensor max =
+        part > 0 ? std::get<0>(logits.max(1)).contiguous()
+                 : torch::full({n}, -std::numeric_limits<float>::infinity(), logits.options());
+    g.all_reduce(max, CAI_REDUCE_MAX);
+    torch::Tensor exp = (logits - max.unsqueeze(1)).exp_();
+    torch::Tensor sum = exp.sum(1).contiguous();
+    g.all_reduce(sum, CAI_REDUCE_SUM);
+    const torch::Tensor counted = targets.ne(ignore);
+    const torch::Tensor here =
+        counted.logical_and(targets.ge(start)).logical_and(targets.lt(start + part));
+    const torch::Tensor column = (targets - start).masked_fill(here.logical_not(), 0);
+    torch::Tensor picked = part > 0 ? logits.gather(1, column.unsqueeze(1)).squeeze(1)
+                                    : torch::zeros({n}, logits.options());
+    picked = picked.masked_fill(here.logical_not(), 0).contiguous();
+    g.all_reduce(picked, CAI_REDUCE_SUM);
+    // log Σ exp(l) - l_target, with the maximum taken out of the sum.
+    const torch::Tensor per_row = (sum.log() + max - picked).masked_fill(counted.logical_not(), 0);
+    const torch::Tensor count = counted.sum().to(logits.scalar_type());
+    ctx->save_for_backward({exp.div_(sum.unsqueeze(1)), column, here, counted, count});
+    return per_row.sum() / count;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    torch::Tensor grad = saved[0];  // softmax; this graph's backward runs once
+    const torch::Tensor& column = saved[1];
+    const torch::Tensor& here = saved[2];
+    const torch::Tensor& counted = saved[3];
+    if (grad.size(1) > 0) {
+      grad.scatter_add_(1, column.unsqueeze(1), -here.to(grad.scalar_type()).unsqueeze(1));
+    }
+    grad.mul_((counted.to(grad.scalar_type()) * (grads[0] / saved[4])).unsqueeze(1));
+    return {grad, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor CopyToGroup(const torch::Tensor& x, const TensorParallelGroup& group) {
+  return Copy::apply(x, Handle(group));
+}
+torch::Tensor ReduceFromGroup(const torch::Tensor& x, const TensorParallelGroup& group) {
+  return Reduce::apply(x, Handle(group));
+}
+torch::Tensor GatherLastDim(const torch::Tensor& x, const TensorParallelGroup& group) {
+  return Gather::apply(x, Handle(group));
+}
+torch::Tensor VocabParallelCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
+                                        const TensorParallelGroup& group, int64_t start,
+                                        int64_t ignore) {
+  return CrossEntropy::apply(logits, targets, Handle(group), start, ignore);
+}
+
+void SliceParam(ParamSpec& p, int32_t dim, int32_t blocks, int64_t padded_block,
+                const TensorParallelGroup& group) {
+  torch::NoGradGuard no_grad;
+  const int64_t block = p.tensor.size(dim) / blocks;
+  const int64_t part = padded_block / group.size, first = group.rank * part;
+  std::vector<torch::Tensor> pieces;
+  for (int32_t b = 0; b < blocks; ++b) {
+    const int64_t count = std::clamp<int64_t>(block - first, 0, part);
+    if (count > 0) pieces.push_back(p.tensor.narrow(dim, b * block + first, count));
+    if (count < part) {  // padding (the vocabulary's): zeros, never read
+      std::vector<int64_t> shape = p.global_shape;
+      shape[dim] = part - count;
+      pieces.push_back(torch::zeros(shape, p.tensor.options()));
+    }
+  }
+  p.tensor.set_data(torch::cat(pieces, dim).contiguous());
+  p.tp_dim = dim;
+  p.tp_blocks = blocks;
+  p.tp_padded = padded_block * blocks;
+}
+
+}  // namespace cai::tp

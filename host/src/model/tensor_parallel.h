@@ -1,0 +1,38 @@
+// Megatron-LM's tensor-parallel operators (Shoeybi et al. 2019, section 3) as autograd
+// functions over a TensorParallelGroup, and the cutting of a parameter into a rank's slice.
+// The zoo's networks and TorchScript models under a policy both use them. Every rank of the
+// group calls them in the same order; the group must outlive every graph they build.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+
+#include "model/network.h"
+
+namespace cai::tp {
+
+// f: identity forward, all-reduce of the gradient backward. It stands before column-parallel
+// projections, whose input every rank holds whole.
+torch::Tensor CopyToGroup(const torch::Tensor& x, const TensorParallelGroup& group);
+// g: all-reduce forward (in place when `x` is contiguous and nothing else reads it),
+// identity backward. It follows row-parallel projections, whose outputs are partial sums.
+torch::Tensor ReduceFromGroup(const torch::Tensor& x, const TensorParallelGroup& group);
+// Every rank's [..., part] side by side along the last dimension [..., size·part]; backward
+// keeps this rank's columns.
+torch::Tensor GatherLastDim(const torch::Tensor& x, const TensorParallelGroup& group);
+// Cross-entropy over vocabulary-parallel fp32 logits [N, part] holding the vocabulary's columns
+// [start, start + part): the maxima, the softmax denominators and the targets' logits are
+// all-reduced (3·N floats), so no rank holds the whole logits. Mean over targets other than
+// `ignore`, as cross_entropy.
+torch::Tensor VocabParallelCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
+                                        const TensorParallelGroup& group, int64_t start,
+                                        int64_t ignore);
+
+// Replaces p.tensor's data by this rank's part of each of `blocks` equal blocks along `dim`,
+// each block first padded with zeros to `padded_block` (a multiple of the group's size), and
+// records the cut in p's tp fields. global_shape must already hold the whole shape.
+void SliceParam(ParamSpec& p, int32_t dim, int32_t blocks, int64_t padded_block,
+                const TensorParallelGroup& group);
+
+}  // namespace cai::tp

@@ -156,11 +156,12 @@ class HybridParallel {
             IntKey("tp_size", "1",
                    "Tensor-parallel degree (Megatron-LM's column/row-parallel layers, the "
                    "vocabulary split over the group); must divide the heads, key/value heads and "
-                   "MLP width.",
+                   "MLP width. A TorchScript model splits as its model.tp_policy file says.",
                    1, 0, kMin),
             BoolKey("parallel_output", "true",
-                    "tp_size > 1: keep the logits split over the vocabulary and compute a "
-                    "distributed cross-entropy; false all-gathers them before the loss."),
+                    "tp_size > 1, zoo models: keep the logits split over the vocabulary and "
+                    "compute a distributed cross-entropy; false all-gathers them before the loss "
+                    "(a TorchScript policy's gather_output decides for its model)."),
             IntKey("make_vocab_size_divisible_by", "64",
                    "tp_size > 1: pad the vocabulary to a multiple of this times tp_size (padding "
                    "rows are zeros that never train and are not saved).",

@@ -455,8 +455,6 @@ torch::Tensor Model::Impl::Checkpoint(int32_t unit, const torch::Tensor& x) {
   return CheckpointFunction::apply(x, this, static_cast<int64_t>(unit));
 }
 
-namespace {
-
 bool GlobMatch(std::string_view pattern, std::string_view name) {
   if (pattern.empty()) return name.empty();
   if (pattern[0] == '*') {
@@ -467,6 +465,8 @@ bool GlobMatch(std::string_view pattern, std::string_view name) {
   }
   return !name.empty() && pattern[0] == name[0] && GlobMatch(pattern.substr(1), name.substr(1));
 }
+
+namespace {
 
 void ApplyParamOptions(Network& net, const ParamOptions& options) {
   net.ignore_index = options.ignore_index;

@@ -228,9 +228,12 @@ std::unique_ptr<Model> MakeZooModel(const ModelConfig& config, uint64_t seed,
 
 // A TorchScript module saved with torch.jit.save / torch::jit::Module::save whose
 // forward(tokens int64 [B, T]) returns logits [B, T, V]. Its parameters keep the names,
-// dtypes and requires_grad they were saved with.
+// dtypes and requires_grad they were saved with. `tp_policy`, when given, is a policy file
+// (README: "TorchScript models under tensor parallelism") that apply_tensor_parallel follows;
+// it is read and matched against the module here.
 std::unique_ptr<Model> LoadTorchScriptModel(const std::string& path,
-                                            const ParamOptions& options = {});
+                                            const ParamOptions& options = {},
+                                            const std::string& tp_policy = "");
 
 // The ABI view of a model. The handle is valid while the model lives.
 cai_model* AsHandle(Model* model);

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -98,8 +99,12 @@ class Network {
   uint64_t kernels_ = 0;
 };
 
+// `*` matches any run of characters, dots included ("blocks.*.attn.qkv").
+bool GlobMatch(std::string_view pattern, std::string_view name);
+
 std::unique_ptr<Network> MakeZooNetwork(const ModelConfig& config, uint64_t seed);
-std::unique_ptr<Network> LoadTorchScriptNetwork(const std::string& path);
+std::unique_ptr<Network> LoadTorchScriptNetwork(const std::string& path,
+                                                const std::string& policy_path = "");
 
 // Model over a network (model.cpp), after applying `options` to its parameters.
 std::unique_ptr<Model> MakeModel(std::unique_ptr<Network> network,

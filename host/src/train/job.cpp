@@ -33,6 +33,11 @@ const cai_config_key kModelKeys[] = {
     StringKey("path", "\"\"",
               "TorchScript file (model.kind = \"torchscript\"): forward(tokens "
               "int64 [B,T]) -> logits [B,T,V]."),
+    StringKey("tp_policy", "\"\"",
+              "TorchScript models: a TOML file naming the column- and row-parallel Linears and "
+              "the head counts, which tensor parallelism (hybrid_parallel's tp_size) follows "
+              "(Shardformer's custom policy; README: \"TorchScript models under tensor "
+              "parallelism\")."),
     IntKey("vocab_size", "256", "Vocabulary size (256: the byte-level tokenizer).", 2, 0, kMin),
     IntKey("n_ctx", "128", "Longest sequence the model accepts.", 1, 0, kMin),
     IntKey("n_layer", "4", "Transformer blocks.", 1, 0, kMin),

@@ -142,7 +142,16 @@ std::unique_ptr<Model> BuildModel(const JobConfig& job, uint64_t seed) {
                         "forward is its own: set it to false");
       }
     }
-    return LoadTorchScriptModel(path, options);
+    const std::string& policy = GetString(m, "tp_policy");
+    if (!policy.empty() && !fs::is_regular_file(policy)) {
+      throw Error(CAI_NOT_FOUND, "model.tp_policy: policy file '" + policy + "' not found");
+    }
+    return LoadTorchScriptModel(path, options, policy);
+  }
+  if (!GetString(m, "tp_policy").empty()) {
+    throw Error(CAI_INVALID_ARGUMENT,
+                "model.tp_policy is for TorchScript models (model.kind = \"torchscript\"); the "
+                "zoo's gpt2 and llama split themselves under tensor parallelism: remove it");
   }
   const ModelConfig config = ZooModelConfig(m);
   auto model = MakeZooModel(config, seed, options);

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "script_gpt.h"
 #include "train_run.h"
 
 namespace {
@@ -362,6 +363,46 @@ TEST(HybridParallel, Tp_UnsplittableModelsFailClearly) {
   EXPECT_NE(ffn.exit_code, 0);
   EXPECT_NE(ffn.output.find("must divide the MLP width (ffn_hidden) (33)"), std::string::npos)
       << ffn.output;
+}
+
+// A TorchScript GPT (tests/host/model/script_gpt.h) split by a policy file, Shardformer's
+// custom policy: q/k/v fused in three blocks, the MLP up projection and the head
+// column-parallel (the logits gathered), the output projections row-parallel, n_head divided.
+// AdamW with clipping and plain SGD, each against the reference.
+TEST(HybridParallel, TorchScriptPolicy_Tp2MatchesReference) {
+  const std::vector<std::string> sets = {
+      "model.kind=torchscript",
+      "model.path=" + cai::testing::SaveScriptGpt((RunsDir() / "gpt.pt").string()),
+      "model.tp_policy=" + cai::testing::WriteText((RunsDir() / "policy.toml").string(),
+                                                   cai::testing::kScriptGptPolicy)};
+  const TrainRun run = Hybrid("script_tp2", 2, {"tp_size=2"}, sets);
+  ExpectMatches(Reference("script", sets), run, kFp32Tolerance);
+  for (double norm : run.grad_norms) EXPECT_GT(norm, 0.05);  // clipping active
+  std::vector<std::string> sgd = sets;
+  sgd.insert(sgd.end(), cai::testing::kPlainSgdSets.begin(), cai::testing::kPlainSgdSets.end());
+  ExpectMatches(Reference("script_sgd", sgd), Hybrid("script_sgd_tp2", 2, {"tp_size=2"}, sgd),
+                kFp32Tolerance);
+}
+
+TEST(HybridParallel, TorchScriptPolicy_MissingOrMisplacedFailsClearly) {
+  const std::string model = cai::testing::SaveScriptGpt((RunsDir() / "gpt.pt").string());
+  const TrainRun none =
+      Hybrid("no_policy", 2, {"tp_size=2"}, {"model.kind=torchscript", "model.path=" + model});
+  EXPECT_NE(none.exit_code, 0);
+  EXPECT_NE(none.output.find("has no tensor-parallel policy"), std::string::npos) << none.output;
+  EXPECT_NE(none.output.find("model.tp_policy"), std::string::npos) << none.output;
+  const TrainRun missing = Hybrid("missing_policy", 2, {"tp_size=2"},
+                                  {"model.kind=torchscript", "model.path=" + model,
+                                   "model.tp_policy=/nonexistent/policy.toml"});
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.output.find("model.tp_policy: policy file '/nonexistent/policy.toml' not "
+                                "found"),
+            std::string::npos)
+      << missing.output;
+  const TrainRun zoo = Hybrid("zoo_policy", 2, {"tp_size=2"}, {"model.tp_policy=policy.toml"});
+  EXPECT_NE(zoo.exit_code, 0);
+  EXPECT_NE(zoo.output.find("model.tp_policy is for TorchScript models"), std::string::npos)
+      << zoo.output;
 }
 
 // The checkpoint matrix: saved by tp 2 x pp 2, resumed by pp 2 x dp 2 and by fsdp on three

@@ -153,7 +153,11 @@ struct Attention : torch::autograd::Function<Attention> {
     const int64_t t = q.size(2);
     const double scale = 1.0 / std::sqrt(double(q.size(3)));
     const torch::ScalarType type = q.scalar_type();
-    torch::Tensor out = torch::empty_like(q);
+    // [B, T, H, D] underneath, as FlashAttention writes it: merging the heads for the output
+    // projection is then a view, and the tensor this function keeps for backward is the one
+    // the projection keeps, not a second copy of s·b·h.
+    torch::Tensor out =
+        torch::empty({q.size(0), t, q.size(1), q.size(3)}, q.options()).transpose(1, 2);
     torch::Tensor lse = torch::empty({q.size(0), q.size(1), t}, q.options().dtype(torch::kFloat));
     const float inf = std::numeric_limits<float>::infinity();
     for (int64_t i0 = 0; i0 < t; i0 += block) {

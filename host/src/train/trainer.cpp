@@ -822,7 +822,7 @@ void Run::WriteSummary(double wall_s) {
   constexpr size_t kWire = kHanded + CAI_COMM_NUM_OPS;
   constexpr size_t kStats = kWire + CAI_COMM_NUM_OPS;
   constexpr size_t kFramework = kStats + 4;
-  constexpr size_t kOverlap = kFramework + 2;
+  constexpr size_t kOverlap = kFramework + 3;
   constexpr size_t kDeviceTotal = kOverlap + 1;
   constexpr size_t kBudget = kDeviceTotal + 1;
   constexpr size_t kFields = kBudget + CAI_MEM_NUM_TIERS;
@@ -835,8 +835,9 @@ void Run::WriteSummary(double wall_s) {
   mine[kStats + 2] = static_cast<int64_t>(stats.optimizer_state_bytes);
   mine[kStats + 3] = static_cast<int64_t>(stats.master_bytes);
   const FrameworkMemory framework = FrameworkMemoryUsage();
-  mine[kFramework + 0] = static_cast<int64_t>(framework.peak_bytes);
+  mine[kFramework + 0] = static_cast<int64_t>(framework.max_bytes);
   mine[kFramework + 1] = static_cast<int64_t>(framework.current_bytes);
+  mine[kFramework + 2] = static_cast<int64_t>(framework.peak_bytes);  // reset before step 1
   mine[kOverlap] = std::llround(1e6 * stats.overlap_ratio);
   for (int tier = 0; tier < CAI_MEM_NUM_TIERS; ++tier) {
     cai_mem_usage usage{};
@@ -877,6 +878,7 @@ void Run::WriteSummary(double wall_s) {
                         .Add("device_total_peak_bytes", f[kDeviceTotal])
                         .AddRaw("budget_bytes", budget.str())
                         .Add("framework_peak_bytes", f[kFramework + 0])
+                        .Add("framework_step_peak_bytes", f[kFramework + 2])
                         .Add("framework_bytes_at_end", f[kFramework + 1])
                         .AddRaw("comm_bytes_per_step_mean", handed.str())
                         .AddRaw("wire_bytes_per_step_mean", wire.str())
@@ -923,6 +925,9 @@ int Run::Execute() {
   // checkpoint loads wherever the strategy's later ones do.
   if (start_step_ == 0 && GetBool(*job_.checkpoint, "at_start")) SaveCheckpoint(0);
   loop_start_ = Clock::now();
+  // framework_step_peak_bytes: the steps' own peak, without the model as built before the
+  // strategy took it over (which framework_peak_bytes includes).
+  ResetFrameworkPeak();
   for (int64_t step = start_step_ + 1; step <= steps_; ++step) {
     const auto t0 = Clock::now();
     const CommBytes before = Counters();

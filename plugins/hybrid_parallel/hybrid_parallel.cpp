@@ -1,6 +1,6 @@
 // libcai_hybrid_parallel: tensor and pipeline parallelism with data parallelism across the
-// replicas, as ColossalAI's HybridParallelPlugin (sequence parallelism is still refused:
-// sp_size must be 1).
+// replicas, as ColossalAI's HybridParallelPlugin; sequence parallelism in its split_gather mode
+// (Megatron-LM's, over the tensor-parallel group; the other modes and sp_size are refused).
 //
 // Mesh. The world is dp_size × pp_size × tp_size ranks, tensor parallelism innermost
 // (ColossalAI's dp-outside order): world rank = (dp_rank · pp_size + pp_rank) · tp_size +
@@ -86,6 +86,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
 const char* const kPipelineStyles[] = {"1f1b", "interleaved", nullptr};
+const char* const kSequenceModes[] = {"split_gather", "ring", "all_to_all", "ring_attn", nullptr};
 
 // One operation of a rank's schedule: the forward or backward of micro-batch `mb` through its
 // model chunk `chunk`.
@@ -190,8 +191,19 @@ class HybridParallel {
                      "model.activation_checkpointing in charge.",
                      0, 1, kMin | CAI_CONFIG_HAS_MAX),
             IntKey("sp_size", "1",
-                   "Sequence-parallel degree; only 1 until sequence parallelism lands.", 1, 0,
-                   kMin),
+                   "Sequence-parallel degree of its own group (all_to_all, ring_attn); 1: "
+                   "split_gather runs over the tensor-parallel group.",
+                   1, 0, kMin),
+            BoolKey("enable_sequence_parallelism", "false",
+                    "tp_size > 1: run norms, residuals and position embeddings on 1/tp_size of "
+                    "the sequence between the tensor-parallel regions (activation memory there "
+                    "divided by tp_size; the same bytes on the wire as tensor parallelism "
+                    "alone); train.seq_len must divide by tp_size."),
+            StringKey("sequence_parallelism_mode", "\"split_gather\"",
+                      "split_gather: Megatron-LM's sequence parallelism (all-gather before the "
+                      "column-parallel layers, reduce-scatter after the row-parallel ones). "
+                      "ring, all_to_all and ring_attn are not in this version.",
+                      kSequenceModes),
             IntKey("pp_size", "1",
                    "Pipeline stages; the world must be a multiple of it (the rest is data "
                    "parallelism).",
@@ -248,12 +260,28 @@ class HybridParallel {
   explicit HybridParallel(const cai_create_args& args)
       : world_rank_(args.rank), world_(args.world_size) {
     sdk::Config config(args.config);
+    tp_ = static_cast<int32_t>(config.Int("tp_size"));
+    sequence_parallel_ = config.Bool("enable_sequence_parallelism");
+    const std::string& mode = config.String("sequence_parallelism_mode");
+    if (sequence_parallel_ && mode != "split_gather") {
+      throw Error(CAI_UNIMPLEMENTED,
+                  "hybrid_parallel: sequence_parallelism_mode = \"" + mode +
+                      "\" is not in this version; \"split_gather\" (Megatron-LM's, over the "
+                      "tensor-parallel group) is");
+    }
+    if (sequence_parallel_ && tp_ < 2) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "hybrid_parallel: enable_sequence_parallelism with sequence_parallelism_mode "
+                  "= \"split_gather\" splits the sequence over the tensor-parallel group: set "
+                  "tp_size > 1");
+    }
     if (config.Int("sp_size") != 1) {
       throw Error(CAI_UNIMPLEMENTED,
-                  "hybrid_parallel: sp_size must be 1: sequence parallelism is not in this "
-                  "version yet; use tp_size, pp_size and data parallelism");
+                  "hybrid_parallel: sp_size = " + std::to_string(config.Int("sp_size")) +
+                      ": a sequence-parallel group of its own serves the all_to_all and "
+                      "ring_attn modes, which are not in this version; split_gather runs over "
+                      "tp_size (enable_sequence_parallelism = true)");
     }
-    tp_ = static_cast<int32_t>(config.Int("tp_size"));
     pp_ = static_cast<int32_t>(config.Int("pp_size"));
     if (world_ % (pp_ * tp_) != 0) {
       throw Error(CAI_INVALID_ARGUMENT,
@@ -410,7 +438,8 @@ class HybridParallel {
     if (precision_ == CAI_PRECISION_FP16) epilogue_->EnableLossScaling(scaler_config_);
 
     std::ostringstream line;
-    line << "hybrid_parallel: dp " << dp_ << " x pp " << pp_ << " x tp " << tp_ << ", "
+    line << "hybrid_parallel: dp " << dp_ << " x pp " << pp_ << " x tp " << tp_
+         << (sequence_parallel_ ? " (sequence parallelism split_gather)" : "") << ", "
          << (interleaved_ ? "interleaved" : "1f1b") << " over " << microbatches_
          << " micro-batches, zero_stage " << zero_stage_ << "; pipeline rank " << pp_rank_
          << " runs";
@@ -502,7 +531,7 @@ class HybridParallel {
       const int32_t v = c * pp_ + pp_rank_;
       const Stage& stage = stages_[c];
       Buffer input;
-      int64_t shape[3] = {batch.tokens->shape[0], batch.tokens->shape[1], hidden_};
+      int64_t shape[3] = {batch.tokens->shape[0], SequenceShard(batch.tokens->shape[1]), hidden_};
       if (v > 0) {
         input = sdk::AllocFlat(CAI_MEM_DEVICE, Elements(shape), wire_dtype_, "pipeline.eval");
         P2P(CAI_COMM_RECV, Tensor3(input, shape), (v - 1) % pp_, Tag(2, 0, v)).Wait();
@@ -784,7 +813,7 @@ class HybridParallel {
     cai_tensor_parallel_args a{};
     a.struct_size = CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE;
     a.group = tp_group_;
-    a.sequence_parallel = false;
+    a.sequence_parallel = sequence_parallel_;
     a.vocab_divisible_by = vocab_divisible_by_;
     a.gather_output = !parallel_output_;
     try {
@@ -964,6 +993,9 @@ class HybridParallel {
   static int32_t Tag(int32_t kind, int32_t mb, int32_t stage) {
     return (kind << 24) | (mb << 8) | stage;
   }
+  // The tokens of a micro-batch a stage boundary carries: 1/tp of them under sequence
+  // parallelism.
+  int64_t SequenceShard(int64_t tokens) const { return sequence_parallel_ ? tokens / tp_ : tokens; }
   static int64_t Elements(const int64_t* shape) { return shape[0] * shape[1] * shape[2]; }
   cai_tensor Tensor3(const Buffer& b, int64_t* shape) const {
     cai_tensor t = sdk::FlatView(b, wire_dtype_, 0, shape);
@@ -1009,7 +1041,7 @@ class HybridParallel {
     Pending& p = recvs_[key];
     const cai_tensor* tokens = args.micro_batches[op.mb].tokens;
     p.shape[0] = tokens->shape[0];
-    p.shape[1] = tokens->shape[1];
+    p.shape[1] = SequenceShard(tokens->shape[1]);
     p.shape[2] = hidden_;
     p.buffer = sdk::AllocFlat(CAI_MEM_DEVICE, Elements(p.shape), wire_dtype_,
                               op.forward ? "pipeline.activation" : "pipeline.grad");
@@ -1083,7 +1115,8 @@ class HybridParallel {
       if (batch.loss) *batch.loss = loss;
       return loss * batch.loss_weight;
     }
-    const int64_t shape[3] = {batch.tokens->shape[0], batch.tokens->shape[1], hidden_};
+    const int64_t shape[3] = {batch.tokens->shape[0], SequenceShard(batch.tokens->shape[1]),
+                              hidden_};
     Send(ToWire(out, shape), shape, (v + 1) % pp_, Tag(0, op.mb, v + 1));
     activations_[{op.mb, op.chunk}] = out;
     return 0;
@@ -1111,7 +1144,7 @@ class HybridParallel {
       activations_.erase(it);
       b.activation = act;
     }
-    int64_t shape[3] = {batch.tokens->shape[0], batch.tokens->shape[1], hidden_};
+    int64_t shape[3] = {batch.tokens->shape[0], SequenceShard(batch.tokens->shape[1]), hidden_};
     Buffer grad_in;
     cai_tensor gin{};
     if (v > 0) {
@@ -1149,6 +1182,7 @@ class HybridParallel {
   const int32_t world_rank_, world_;
   int32_t tp_ = 1, pp_ = 1, dp_ = 1, tp_rank_ = 0, pp_rank_ = 0, dp_rank_ = 0;
   bool parallel_output_ = true;
+  bool sequence_parallel_ = false;
   uint64_t kernels_ = 0;  // CAI_MODEL_KERNEL_*
   std::string ckpt_layers_text_;
   double ckpt_ratio_ = 0;

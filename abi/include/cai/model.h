@@ -207,7 +207,9 @@ typedef struct cai_stage_backward_args {
 /* Tensor parallelism through the host: parameters with a parallel_dim are split across
  * `group` (column-parallel roles on their output dimension, row-parallel on their input), and
  * the host inserts the matching collectives in forward and backward (Megatron-LM's f/g
- * operators). With sequence_parallel, norms and dropout run on sequence shards. */
+ * operators). With sequence_parallel (since 1.3 for zoo models), norms, residuals and
+ * dropout run on sequence shards: units between the embedding and the head take and return
+ * [B, T/size, hidden], and the all-reduces become all-gathers and reduce-scatters. */
 typedef struct cai_tensor_parallel_args {
   size_t struct_size;
   cai_extension_base* extension_start;
@@ -290,7 +292,7 @@ typedef struct cai_model_api {
    * cai_param_info's tp fields describe, and forward and backward run the group's all-reduces
    * (so every rank of the group calls forward/backward on the same tokens, in step).
    * Collective over the group; once per model, before any storage is replaced or released.
-   * UNIMPLEMENTED for models without structure metadata (TorchScript) and, in 1.3, for
+   * UNIMPLEMENTED for TorchScript models without a tensor-parallel policy and, for them,
    * sequence_parallel; INVALID_ARGUMENT when the group's size does not divide the heads,
    * key/value heads or MLP width (the message names them). */
   cai_status* (*apply_tensor_parallel)(cai_model* model, const cai_tensor_parallel_args* args);

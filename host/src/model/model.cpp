@@ -996,6 +996,9 @@ void Model::ApplyTensorParallel(cai_comm_group* group, const TensorParallelOptio
   g.all_gather = [run](const torch::Tensor& in, const torch::Tensor& out) {
     run(CAI_COMM_ALL_GATHER, CAI_REDUCE_SUM, &in, out);
   };
+  g.reduce_scatter = [run](const torch::Tensor& in, const torch::Tensor& out) {
+    run(CAI_COMM_REDUCE_SCATTER, CAI_REDUCE_SUM, &in, out);
+  };
   for (Impl::Param& p : m.params) p.spec->tensor.mutable_grad().reset();
   m.net->ApplyTensorParallel(std::move(g), options);
   for (Impl::Unit& u : m.units) u.numel = 0;

@@ -86,6 +86,9 @@ struct ModelConfig {
 struct TensorParallelOptions {
   int64_t vocab_divisible_by = 1;  // the vocabulary is padded to a multiple of this × tp
   bool gather_output = false;      // all-gather the logits before the loss
+  // Megatron-LM's sequence parallelism (ColossalAI's "split_gather"): between the
+  // tensor-parallel regions each rank holds 1/tp of the sequence.
+  bool sequence_parallel = false;
 };
 
 // A stage's output activation (owned tensor with its autograd history). Opaque.

@@ -218,12 +218,8 @@ cai_status* ApplyTensorParallel(cai_model* model, const cai_tensor_parallel_args
     Model* m = Get(model, "apply_tensor_parallel");
     RequireStructSize(args, CAI_STRUCT_SIZE(cai_tensor_parallel_args, sequence_parallel),
                       "apply_tensor_parallel: args");
-    if (args->sequence_parallel) {
-      throw Error(CAI_UNIMPLEMENTED,
-                  "apply_tensor_parallel: sequence_parallel is not in this host version; "
-                  "call it with sequence_parallel = false");
-    }
     TensorParallelOptions options;
+    options.sequence_parallel = args->sequence_parallel;
     if (CAI_HAS_FIELD(args, cai_tensor_parallel_args, vocab_divisible_by)) {
       if (args->vocab_divisible_by < 0) {
         throw Error(CAI_INVALID_ARGUMENT,

@@ -42,6 +42,9 @@ struct TensorParallelGroup {
   std::function<void(const torch::Tensor&, cai_reduce_op)> all_reduce;
   // `out` (contiguous, size × input's elements) receives every rank's `in`, in rank order.
   std::function<void(const torch::Tensor& in, const torch::Tensor& out)> all_gather;
+  // `out` (contiguous) receives the sum over the ranks of the rank-th of `in`'s `size` equal
+  // parts (contiguous, size × out's elements).
+  std::function<void(const torch::Tensor& in, const torch::Tensor& out)> reduce_scatter;
 };
 
 struct UnitSpec {

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
 #include <vector>
+
+#include "core/status.h"
 
 namespace cai::tp {
 namespace {
@@ -68,6 +71,56 @@ struct Gather : torch::autograd::Function<Gather> {
   }
 };
 
+// [B, t, ...] shards -> [B, size·t, ...].
+torch::Tensor AllGatherSequence(const torch::Tensor& x, const TensorParallelGroup& g) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.insert(shape.begin(), g.size);
+  torch::Tensor out = torch::empty(shape, x.options());
+  g.all_gather(x.contiguous(), out);
+  std::vector<int64_t> whole = x.sizes().vec();
+  whole[1] *= g.size;
+  return out.movedim(0, 1).reshape(whole);
+}
+
+// [B, size·t, ...] partial sums -> this rank's [B, t, ...] of the sums.
+torch::Tensor ReduceScatterSequence(const torch::Tensor& x, const TensorParallelGroup& g) {
+  if (x.size(1) % g.size != 0) {
+    throw Error(CAI_INVALID_ARGUMENT,
+                "sequence parallelism splits the sequence over the tensor-parallel group: the "
+                "sequence length (" +
+                    std::to_string(x.size(1)) + ") must divide by tp (" + std::to_string(g.size) +
+                    "); choose train.seq_len a multiple of tp_size");
+  }
+  std::vector<int64_t> parts = x.sizes().vec();
+  parts[1] /= g.size;
+  parts.insert(parts.begin() + 1, g.size);
+  torch::Tensor in = x.reshape(parts).movedim(1, 0).contiguous();
+  parts.erase(parts.begin() + 1);
+  torch::Tensor out = torch::empty(parts, x.options());
+  g.reduce_scatter(in, out);
+  return out;
+}
+
+struct GatherSeq : torch::autograd::Function<GatherSeq> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return AllGatherSequence(x, GroupOf(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {ReduceScatterSequence(grads[0], GroupOf(ctx)), torch::Tensor()};
+  }
+};
+
+struct ScatterSeq : torch::autograd::Function<ScatterSeq> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return ReduceScatterSequence(x, GroupOf(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {AllGatherSequence(grads[0], GroupOf(ctx)), torch::Tensor()};
+  }
+};
+
 struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor logits, torch::Tensor targets,
                                int64_t group, int64_t start, int64_t ignore) {
@@ -118,6 +171,12 @@ torch::Tensor ReduceFromGroup(const torch::Tensor& x, const TensorParallelGroup&
 }
 torch::Tensor GatherLastDim(const torch::Tensor& x, const TensorParallelGroup& group) {
   return Gather::apply(x, Handle(group));
+}
+torch::Tensor GatherSequence(const torch::Tensor& x, const TensorParallelGroup& group) {
+  return GatherSeq::apply(x, Handle(group));
+}
+torch::Tensor ScatterSequence(const torch::Tensor& x, const TensorParallelGroup& group) {
+  return ScatterSeq::apply(x, Handle(group));
 }
 torch::Tensor VocabParallelCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
                                         const TensorParallelGroup& group, int64_t start,

@@ -21,6 +21,12 @@ torch::Tensor ReduceFromGroup(const torch::Tensor& x, const TensorParallelGroup&
 // Every rank's [..., part] side by side along the last dimension [..., size·part]; backward
 // keeps this rank's columns.
 torch::Tensor GatherLastDim(const torch::Tensor& x, const TensorParallelGroup& group);
+// Megatron-LM's sequence parallelism (Korthikanti et al. 2022, section 4.2.2) over dimension 1
+// of [B, T, ...]: the ranks' sequence shards all-gathered into the whole sequence (backward: the
+// gradient reduce-scattered back to shards), and partial sums [B, T, ...] reduce-scattered into
+// this rank's summed shard (backward: all-gathered). T must divide by the group's size.
+torch::Tensor GatherSequence(const torch::Tensor& x, const TensorParallelGroup& group);
+torch::Tensor ScatterSequence(const torch::Tensor& x, const TensorParallelGroup& group);
 // Cross-entropy over vocabulary-parallel fp32 logits [N, part] holding the vocabulary's columns
 // [start, start + part): the maxima, the softmax denominators and the targets' logits are
 // all-reduced (3·N floats), so no rank holds the whole logits. Mean over targets other than

@@ -187,7 +187,14 @@ class TorchScriptNetwork final : public Network {
   bool CastsToComputeType() const override { return false; }
 
   // The vocabulary options are the zoo's: a policy gathers logits with gather_output.
-  void ApplyTensorParallel(TensorParallelGroup group, const TensorParallelOptions&) override {
+  void ApplyTensorParallel(TensorParallelGroup group,
+                           const TensorParallelOptions& options) override {
+    if (options.sequence_parallel) {
+      throw Error(CAI_UNIMPLEMENTED,
+                  "apply_tensor_parallel: sequence parallelism needs to know which ops of the "
+                  "forward run on sequence shards; TorchScript models ('" +
+                      path_ + "') split under a policy without it");
+    }
     if (!policy_) {
       throw Error(CAI_UNIMPLEMENTED,
                   "apply_tensor_parallel: TorchScript model '" + path_ +

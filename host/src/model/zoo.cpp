@@ -163,6 +163,7 @@ class ZooNetwork : public Network {
     heads_ = c_.n_head / n;
     kv_heads_ = n_kv_head_ / n;
     gather_output_ = options.gather_output;
+    sequence_parallel_ = options.sequence_parallel && n > 1;
     tp_ = std::move(group);
   }
 
@@ -195,15 +196,32 @@ class ZooNetwork : public Network {
                : kernels::MathAttention(q, k, v);
   }
 
-  // The input of column-parallel projections (f), the output of row-parallel ones (g).
+  // The input of column-parallel projections: f, or under sequence parallelism the
+  // all-gather of the sequence shards.
   torch::Tensor ToGroup(const torch::Tensor& x) const {
-    return tp_.size == 1 ? x : tp::CopyToGroup(x, tp_);
+    if (tp_.size == 1) return x;
+    return sequence_parallel_ ? tp::GatherSequence(x, tp_) : tp::CopyToGroup(x, tp_);
   }
-  // A row-parallel projection: partial products summed over the group, the bias added once.
+  // A row-parallel projection: partial products summed over the group (g, or under sequence
+  // parallelism reduce-scattered into sequence shards), the bias added once.
   torch::Tensor RowLinear(const torch::Tensor& x, uint32_t w, uint32_t b) const {
     if (tp_.size == 1) return Linear(x, W(w), Wb(b));
-    torch::Tensor y = tp::ReduceFromGroup(Linear(x, W(w), {}), tp_);
-    return b == kNone ? y : y + W(b);
+    torch::Tensor y = sequence_parallel_ ? tp::ScatterSequence(Linear(x, W(w), {}), tp_)
+                                         : tp::ReduceFromGroup(Linear(x, W(w), {}), tp_);
+    return b == kNone ? y : y + Shard(b);
+  }
+  // A replicated parameter read between the tensor-parallel regions (norms, row-parallel
+  // biases, positions). Under sequence parallelism each rank sees its shard of the sequence,
+  // so its gradient is partial: f sums it over the group in backward, and every rank holds
+  // the whole gradient, as without sequence parallelism.
+  torch::Tensor Shard(uint32_t index) const {
+    if (index == kNone) return torch::Tensor();
+    return sequence_parallel_ ? tp::CopyToGroup(W(index), tp_) : W(index);
+  }
+  // Rows [first, first + count) of the sequence this rank holds between the regions.
+  std::pair<int64_t, int64_t> SequenceShard(int64_t t) const {
+    if (!sequence_parallel_) return {0, t};
+    return {tp_.rank * (t / tp_.size), t / tp_.size};
   }
   // Token embedding; under tensor parallelism each rank looks up the tokens of its rows of
   // the vocabulary, zeros for the others, and the group sums.
@@ -213,7 +231,7 @@ class ZooNetwork : public Network {
     const torch::Tensor outside = tokens.lt(start).logical_or(tokens.ge(start + part));
     torch::Tensor rows = torch::embedding(W(index), (tokens - start).masked_fill(outside, 0));
     rows = rows.masked_fill(outside.unsqueeze(-1), 0);
-    return tp::ReduceFromGroup(rows, tp_);
+    return sequence_parallel_ ? tp::ScatterSequence(rows, tp_) : tp::ReduceFromGroup(rows, tp_);
   }
   int32_t Block(int64_t layer) const { return static_cast<int32_t>(layer + 1); }
   int32_t Head() const { return static_cast<int32_t>(c_.n_layer + 1); }
@@ -245,6 +263,7 @@ class ZooNetwork : public Network {
   TensorParallelGroup tp_;
   int64_t padded_vocab_ = 0;
   bool gather_output_ = false;
+  bool sequence_parallel_ = false;
 };
 
 // GPT-2 (Radford et al. 2019) as nanoGPT writes it: learned positions, pre-LayerNorm blocks,
@@ -287,7 +306,14 @@ class Gpt2 final : public ZooNetwork {
   }
 
   torch::Tensor Forward(size_t unit, const torch::Tensor& x) const override {
-    if (unit == 0) return Embed(wte_, x) + W(wpe_).slice(0, 0, x.size(1));
+    if (unit == 0) {
+      const auto [first, count] = SequenceShard(x.size(1));
+      torch::Tensor positions = W(wpe_).slice(0, 0, x.size(1));
+      if (first != 0 || count != x.size(1)) {
+        positions = tp::CopyToGroup(positions, tp_).slice(0, first, first + count);
+      }
+      return Embed(wte_, x) + positions;
+    }
     if (unit == size_t(Head())) {
       return Linear(ToGroup(LayerNorm(x, lnf_w_, lnf_b_)), W(wte_), {});
     }
@@ -311,7 +337,7 @@ class Gpt2 final : public ZooNetwork {
     uint32_t ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, down_w, down_b;
   };
   torch::Tensor LayerNorm(const torch::Tensor& x, uint32_t w, uint32_t b) const {
-    return torch::layer_norm(x, {c_.n_embd}, W(w), Wb(b), c_.norm_eps);
+    return torch::layer_norm(x, {c_.n_embd}, Shard(w), Shard(b), c_.norm_eps);
   }
 
   uint32_t wte_, wpe_, lnf_w_, lnf_b_;
@@ -373,10 +399,10 @@ class Llama final : public ZooNetwork {
     if (unit == 0) return Embed(embed_, x);
     if (unit == size_t(Head())) return Linear(ToGroup(RmsNorm(x, norm_)), W(lm_head_), {});
     const Layer& y = layers_[unit - 1];
-    const int64_t t = x.size(1);
+    torch::Tensor a = ToGroup(RmsNorm(x, y.attn_norm));
+    const int64_t t = a.size(1);  // the whole sequence, also under sequence parallelism
     torch::Tensor cos = cos_.slice(0, 0, t).to(x.device(), x.scalar_type());
     torch::Tensor sin = sin_.slice(0, 0, t).to(x.device(), x.scalar_type());
-    torch::Tensor a = ToGroup(RmsNorm(x, y.attn_norm));
     torch::Tensor q = Rotate(SplitHeads(Linear(a, W(y.q_w), Wb(y.q_b)), heads_), cos, sin);
     torch::Tensor k = Rotate(SplitHeads(Linear(a, W(y.k_w), Wb(y.k_b)), kv_heads_), cos, sin);
     torch::Tensor v = SplitHeads(Linear(a, W(y.v_w), Wb(y.v_b)), kv_heads_);
@@ -405,11 +431,11 @@ class Llama final : public ZooNetwork {
   // Zhang & Sennrich 2019; statistics in fp32 whatever the compute dtype.
   torch::Tensor RmsNorm(const torch::Tensor& x, uint32_t w) const {
     if (Has(CAI_MODEL_KERNEL_FUSED_NORMALIZATION)) {
-      return kernels::FusedRmsNorm(x, W(w), c_.norm_eps);
+      return kernels::FusedRmsNorm(x, Shard(w), c_.norm_eps);
     }
     torch::Tensor xf = x.to(torch::kFloat);
     torch::Tensor normed = xf * torch::rsqrt(xf.pow(2).mean(-1, true) + c_.norm_eps);
-    return normed.to(x.scalar_type()) * W(w);
+    return normed.to(x.scalar_type()) * Shard(w);
   }
   static torch::Tensor Rotate(const torch::Tensor& x, const torch::Tensor& cos,
                               const torch::Tensor& sin) {

@@ -740,12 +740,7 @@ TEST(ModelApi, BadArguments_ReturnStatusesNamingThem) {
   s = Take(api->zero_grad(nullptr, true));
   EXPECT_EQ(s.message, "zero_grad: model is NULL");
   cai_tensor_parallel_args tp{
-      CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE, nullptr, nullptr, true, 1, false};
-  s = Take(api->apply_tensor_parallel(h, &tp));
-  EXPECT_EQ(s.code, CAI_UNIMPLEMENTED);
-  EXPECT_NE(s.message.find("sequence_parallel"), std::string::npos);
-  tp.sequence_parallel = false;
-  tp.vocab_divisible_by = -1;
+      CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE, nullptr, nullptr, false, -1, false};
   s = Take(api->apply_tensor_parallel(h, &tp));
   EXPECT_EQ(s.message, "apply_tensor_parallel: vocab_divisible_by must be >= 0, got -1");
   tp.vocab_divisible_by = 1;

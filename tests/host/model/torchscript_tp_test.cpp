@@ -226,6 +226,15 @@ TEST_F(TorchScriptTp, PoliciesThatDoNotFitFailClearly) {
       {"'blocks.l0.attn.qkv.weight': output features (96) must divide by tp (3) × fused "
        "blocks (3)"});
   expect(ApplyError(model_, ""), {"no tensor-parallel policy", "model.tp_policy"});
+  try {
+    TensorParallelOptions sequence;
+    sequence.sequence_parallel = true;
+    LoadTorchScriptNetwork(model_, policy_)->ApplyTensorParallel(Alone(0, 2), sequence);
+    ADD_FAILURE() << "sequence parallelism applied to a TorchScript model";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), CAI_UNIMPLEMENTED);
+    EXPECT_NE(std::string(e.what()).find("sequence parallelism"), std::string::npos) << e.what();
+  }
   // A failed apply changes nothing: the same network applies a fitting size afterwards.
   std::unique_ptr<Network> net = LoadTorchScriptNetwork(model_, policy_);
   EXPECT_THROW(net->ApplyTensorParallel(Alone(0, 3), {}), Error);

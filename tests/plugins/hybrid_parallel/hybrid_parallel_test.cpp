@@ -209,7 +209,11 @@ TEST(HybridParallel, BadConfigurations_FailClearly) {
     std::vector<std::string> expected;
   };
   const std::vector<Case> cases = {
-      {2, {"sp_size=2"}, {"sp_size must be 1"}},
+      {2, {"sp_size=2"}, {"sp_size = 2: a sequence-parallel group of its own", "split_gather"}},
+      {2,
+       {"tp_size=2", "enable_sequence_parallelism=true", "sequence_parallelism_mode=\"ring\""},
+       {"sequence_parallelism_mode = \"ring\" is not in this version"}},
+      {2, {"enable_sequence_parallelism=true"}, {"set tp_size > 1"}},
       {3, {"pp_size=2"}, {"pp_size x tp_size = 2 x 1 does not divide the world of 3"}},
       {4, {"pp_size=2", "tp_size=3"}, {"pp_size x tp_size = 2 x 3 does not divide the world of 4"}},
       {3, {"tp_size=3"}, {"tp_size = 3", "must divide the attention heads (n_head) (2)"}},
@@ -363,6 +367,86 @@ TEST(HybridParallel, Tp_UnsplittableModelsFailClearly) {
   EXPECT_NE(ffn.exit_code, 0);
   EXPECT_NE(ffn.output.find("must divide the MLP width (ffn_hidden) (33)"), std::string::npos)
       << ffn.output;
+}
+
+// Sequence parallelism, split_gather (Megatron-LM's): between the tensor-parallel regions each
+// rank holds 1/tp of the sequence; norms, residuals and GPT-2's positions run on the shards,
+// whose parameters' gradients the host sums over the group. A sequence of 18 splits over 2 and
+// 3 ranks.
+const std::vector<std::string> kSpGpt = {"model.n_embd=48", "model.n_head=6", "train.seq_len=18"};
+
+TEST(HybridParallel, SequenceParallel_Tp2AndTp3_GptMatchesReference) {
+  const TrainRun ref = Reference("gpt_sp", kSpGpt);
+  for (int tp : {2, 3}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    const TrainRun run =
+        Hybrid("sp_tp" + std::to_string(tp), tp,
+               {"tp_size=" + std::to_string(tp), "enable_sequence_parallelism=true"}, kSpGpt);
+    ExpectMatches(ref, run, kFp32Tolerance);
+    EXPECT_NE(run.output.find("(sequence parallelism split_gather)"), std::string::npos)
+        << run.output;
+  }
+}
+
+// Llama with grouped-query attention (RoPE applied to the gathered sequence), plain SGD on
+// GPT-2, and tp 2 x pp 2, where the stages hand each other sequence shards.
+TEST(HybridParallel, SequenceParallel_LlamaPlainSgdAndPipelineMatchReference) {
+  const std::vector<std::string> llama = {"model.kind=llama", "model.n_kv_head=2",
+                                          "train.seq_len=18"};
+  const std::vector<std::string> sp = {"tp_size=2", "enable_sequence_parallelism=true"};
+  ExpectMatches(Reference("llama_sp", llama), Hybrid("sp_llama", 2, sp, llama), kFp32Tolerance);
+  std::vector<std::string> sgd = kSpGpt;
+  sgd.insert(sgd.end(), cai::testing::kPlainSgdSets.begin(), cai::testing::kPlainSgdSets.end());
+  ExpectMatches(Reference("sgd_sp", sgd), Hybrid("sp_sgd", 2, sp, sgd), kFp32Tolerance);
+  ExpectMatches(Reference("gpt_sp", kSpGpt),
+                Hybrid("sp_tp2_pp2", 4,
+                       {"tp_size=2", "pp_size=2", "enable_sequence_parallelism=true"}, kSpGpt),
+                kFp32Tolerance);
+}
+
+// Bytes per step against the formula. Megatron-LM's sequence parallelism replaces each of the
+// (4L + 2)·B·T·e all-reduces of tensor parallelism by an all-gather of the B·(T/t)·e shards and
+// a reduce-scatter of the B·T·e partial sums (in bytes handed to the collectives; on a ring,
+// (t-1)/t·N for each, so the same wire bytes as the all-reduce's 2(t-1)/t·N). The all-reduces
+// left are the cross-entropy's 3·B·T and the gradients of the parameters used on sequence
+// shards: per block two norms' weights and biases and the two row-parallel biases (6e), the
+// final norm (2e) and the positions of the micro-batch (T·e). Both runs are otherwise the same
+// (ZeRO-1 over one data-parallel rank), so their differences are exactly these.
+TEST(HybridParallel, SequenceParallel_CommunicationMatchesFormula) {
+  const TrainRun sp = Hybrid(
+      "sp_tp2_zero1", 2, {"tp_size=2", "zero_stage=1", "enable_sequence_parallelism=true"}, kTpGpt);
+  const TrainRun tp = Hybrid("tp2_zero1", 2, {"tp_size=2", "zero_stage=1"}, kTpGpt);
+  ASSERT_EQ(sp.exit_code, 0) << sp.output;
+  ASSERT_EQ(tp.exit_code, 0) << tp.output;
+  const double L = 4, micro_batches = 4, B = 8 / micro_batches, T = 16, e = 48, t = 2;
+  const double regions = (4 * L + 2) * B * T * e;  // elements per micro-batch
+  const double partial = L * 6 * e + 2 * e + T * e;
+  auto bytes = [](const TrainRun& run, const char* op) {
+    return cai::testing::PerRank(run, "comm_bytes_per_step_mean", op);
+  };
+  const std::vector<double> sp_gather = bytes(sp, "all_gather"),
+                            tp_gather = bytes(tp, "all_gather");
+  const std::vector<double> sp_scatter = bytes(sp, "reduce_scatter"),
+                            tp_scatter = bytes(tp, "reduce_scatter");
+  const std::vector<double> sp_reduce = bytes(sp, "all_reduce"),
+                            tp_reduce = bytes(tp, "all_reduce");
+  for (const auto* v : {&sp_gather, &tp_gather, &sp_scatter, &tp_scatter, &sp_reduce, &tp_reduce}) {
+    ASSERT_EQ(v->size(), 2u) << sp.summary << tp.summary;
+  }
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(sp_gather[r] - tp_gather[r], 4 * micro_batches * regions / t);
+    EXPECT_EQ(sp_scatter[r] - tp_scatter[r], 4 * micro_batches * regions);
+    EXPECT_EQ(tp_reduce[r] - sp_reduce[r], 4 * micro_batches * (regions - partial));
+  }
+}
+
+TEST(HybridParallel, SequenceParallel_OddSequenceFailsClearly) {
+  const TrainRun odd =
+      Hybrid("sp_odd", 2, {"tp_size=2", "enable_sequence_parallelism=true"}, {"train.seq_len=15"});
+  EXPECT_NE(odd.exit_code, 0);
+  EXPECT_NE(odd.output.find("the sequence length (15) must divide by tp (2)"), std::string::npos)
+      << odd.output;
 }
 
 // A TorchScript GPT (tests/host/model/script_gpt.h) split by a policy file, Shardformer's

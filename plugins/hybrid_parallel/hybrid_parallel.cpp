@@ -196,9 +196,10 @@ class HybridParallel {
                    1, 0, kMin),
             BoolKey("enable_sequence_parallelism", "false",
                     "tp_size > 1: run norms, residuals and position embeddings on 1/tp_size of "
-                    "the sequence between the tensor-parallel regions (activation memory there "
-                    "divided by tp_size; the same bytes on the wire as tensor parallelism "
-                    "alone); train.seq_len must divide by tp_size."),
+                    "the sequence between the tensor-parallel regions (all activation memory "
+                    "divided by tp_size; backward gathers each region's input again instead of "
+                    "keeping it: 1.25x tensor parallelism's bytes on the wire); train.seq_len "
+                    "must divide by tp_size."),
             StringKey("sequence_parallelism_mode", "\"split_gather\"",
                       "split_gather: Megatron-LM's sequence parallelism (all-gather before the "
                       "column-parallel layers, reduce-scatter after the row-parallel ones). "

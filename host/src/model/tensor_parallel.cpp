@@ -101,16 +101,6 @@ torch::Tensor ReduceScatterSequence(const torch::Tensor& x, const TensorParallel
   return out;
 }
 
-struct GatherSeq : torch::autograd::Function<GatherSeq> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return AllGatherSequence(x, GroupOf(group));
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {ReduceScatterSequence(grads[0], GroupOf(ctx)), torch::Tensor()};
-  }
-};
-
 struct ScatterSeq : torch::autograd::Function<ScatterSeq> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
     ctx->saved_data["group"] = group;
@@ -118,6 +108,58 @@ struct ScatterSeq : torch::autograd::Function<ScatterSeq> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     return {AllGatherSequence(grads[0], GroupOf(ctx)), torch::Tensor()};
+  }
+};
+
+struct GatheredLinear : torch::autograd::Function<GatheredLinear> {
+  // `biases` holds the defined ones; `has_bias` says which projection each belongs to.
+  // The lists travel as TensorList: autograd tracks the tensors of a TensorList argument (and
+  // would take a std::vector for a constant).
+  static variable_list forward(AutogradContext* ctx, torch::Tensor x, at::TensorList weights,
+                               at::TensorList biases, std::vector<int64_t> has_bias,
+                               int64_t group) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["has_bias"] = has_bias;
+    const torch::Tensor whole = AllGatherSequence(x, GroupOf(group));
+    variable_list out;
+    size_t next_bias = 0;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      out.push_back(
+          torch::linear(whole, weights[i], has_bias[i] ? biases[next_bias++] : torch::Tensor()));
+    }
+    variable_list saved = {x};
+    saved.insert(saved.end(), weights.begin(), weights.end());
+    ctx->save_for_backward(saved);
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const std::vector<int64_t> has_bias = ctx->saved_data["has_bias"].toIntVector();
+    const TensorParallelGroup& g = GroupOf(ctx);
+    const torch::Tensor whole = AllGatherSequence(saved[0], g);
+    const torch::Tensor rows = whole.reshape({-1, whole.size(-1)});
+    torch::Tensor dwhole;
+    variable_list dweights, dbiases;
+    for (size_t i = 0; i < has_bias.size(); ++i) {
+      const torch::Tensor& w = saved[1 + i];
+      const torch::Tensor& dy = grads[i];
+      if (!dy.defined()) {
+        dweights.emplace_back();
+        if (has_bias[i]) dbiases.emplace_back();
+        continue;
+      }
+      const torch::Tensor dy_rows = dy.reshape({-1, dy.size(-1)});
+      const torch::Tensor dx = dy.matmul(w);
+      dwhole = dwhole.defined() ? dwhole.add_(dx) : dx;
+      dweights.push_back(dy_rows.t().mm(rows));
+      if (has_bias[i]) dbiases.push_back(dy_rows.sum(0));
+    }
+    variable_list out = {dwhole.defined() ? ReduceScatterSequence(dwhole, g) : torch::Tensor()};
+    out.insert(out.end(), dweights.begin(), dweights.end());
+    out.insert(out.end(), dbiases.begin(), dbiases.end());
+    out.emplace_back();  // has_bias
+    out.emplace_back();  // group
+    return out;
   }
 };
 
@@ -172,11 +214,21 @@ torch::Tensor ReduceFromGroup(const torch::Tensor& x, const TensorParallelGroup&
 torch::Tensor GatherLastDim(const torch::Tensor& x, const TensorParallelGroup& group) {
   return Gather::apply(x, Handle(group));
 }
-torch::Tensor GatherSequence(const torch::Tensor& x, const TensorParallelGroup& group) {
-  return GatherSeq::apply(x, Handle(group));
-}
 torch::Tensor ScatterSequence(const torch::Tensor& x, const TensorParallelGroup& group) {
   return ScatterSeq::apply(x, Handle(group));
+}
+std::vector<torch::Tensor> GatheredLinears(const torch::Tensor& x,
+                                           const std::vector<torch::Tensor>& weights,
+                                           const std::vector<torch::Tensor>& biases,
+                                           const TensorParallelGroup& group) {
+  variable_list defined;
+  std::vector<int64_t> has_bias;
+  for (const torch::Tensor& b : biases) {
+    has_bias.push_back(b.defined());
+    if (b.defined()) defined.push_back(b);
+  }
+  return GatheredLinear::apply(x, at::TensorList(weights), at::TensorList(defined), has_bias,
+                               Handle(group));
 }
 torch::Tensor VocabParallelCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
                                         const TensorParallelGroup& group, int64_t start,

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "model/network.h"
 
@@ -22,11 +23,18 @@ torch::Tensor ReduceFromGroup(const torch::Tensor& x, const TensorParallelGroup&
 // keeps this rank's columns.
 torch::Tensor GatherLastDim(const torch::Tensor& x, const TensorParallelGroup& group);
 // Megatron-LM's sequence parallelism (Korthikanti et al. 2022, section 4.2.2) over dimension 1
-// of [B, T, ...]: the ranks' sequence shards all-gathered into the whole sequence (backward: the
-// gradient reduce-scattered back to shards), and partial sums [B, T, ...] reduce-scattered into
-// this rank's summed shard (backward: all-gathered). T must divide by the group's size.
-torch::Tensor GatherSequence(const torch::Tensor& x, const TensorParallelGroup& group);
+// of [B, T, ...], T divisible by the group's size: partial sums [B, T, ...] reduce-scattered
+// into this rank's summed shard of the sequence (backward: the shards' gradients
+// all-gathered).
 torch::Tensor ScatterSequence(const torch::Tensor& x, const TensorParallelGroup& group);
+// Column-parallel projections of the gathered sequence shards, y_i = x_whole·W_iᵀ + b_i
+// (an undefined b_i: none), keeping only the shard for backward, which gathers it again
+// (Megatron-LM's sequence-parallel linear layers): the whole input is never held between
+// forward and backward.
+std::vector<torch::Tensor> GatheredLinears(const torch::Tensor& x,
+                                           const std::vector<torch::Tensor>& weights,
+                                           const std::vector<torch::Tensor>& biases,
+                                           const TensorParallelGroup& group);
 // Cross-entropy over vocabulary-parallel fp32 logits [N, part] holding the vocabulary's columns
 // [start, start + part): the maxima, the softmax denominators and the targets' logits are
 // all-reduced (3·N floats), so no rank holds the whole logits. Mean over targets other than

@@ -196,11 +196,23 @@ class ZooNetwork : public Network {
                : kernels::MathAttention(q, k, v);
   }
 
-  // The input of column-parallel projections: f, or under sequence parallelism the
-  // all-gather of the sequence shards.
-  torch::Tensor ToGroup(const torch::Tensor& x) const {
-    if (tp_.size == 1) return x;
-    return sequence_parallel_ ? tp::GatherSequence(x, tp_) : tp::CopyToGroup(x, tp_);
+  // Column-parallel projections of x, one per (weight, bias) pair (kNone: no bias): f before
+  // them, or under sequence parallelism the all-gather of the sequence shards, which backward
+  // gathers again rather than keep the whole sequence.
+  std::vector<torch::Tensor> Column(const torch::Tensor& x,
+                                    std::initializer_list<std::pair<uint32_t, uint32_t>> wb) const {
+    std::vector<torch::Tensor> out;
+    if (sequence_parallel_) {
+      std::vector<torch::Tensor> weights, biases;
+      for (const auto& [w, b] : wb) {
+        weights.push_back(W(w));
+        biases.push_back(Wb(b));
+      }
+      return tp::GatheredLinears(x, weights, biases, tp_);
+    }
+    const torch::Tensor in = tp_.size == 1 ? x : tp::CopyToGroup(x, tp_);
+    for (const auto& [w, b] : wb) out.push_back(Linear(in, W(w), Wb(b)));
+    return out;
   }
   // A row-parallel projection: partial products summed over the group (g, or under sequence
   // parallelism reduce-scattered into sequence shards), the bias added once.
@@ -314,19 +326,18 @@ class Gpt2 final : public ZooNetwork {
       }
       return Embed(wte_, x) + positions;
     }
-    if (unit == size_t(Head())) {
-      return Linear(ToGroup(LayerNorm(x, lnf_w_, lnf_b_)), W(wte_), {});
-    }
+    if (unit == size_t(Head())) return Column(LayerNorm(x, lnf_w_, lnf_b_), {{wte_, kNone}})[0];
     const Layer& y = layers_[unit - 1];
-    torch::Tensor qkv = Linear(ToGroup(LayerNorm(x, y.ln1_w, y.ln1_b)), W(y.qkv_w), Wb(y.qkv_b));
+    torch::Tensor qkv = Column(LayerNorm(x, y.ln1_w, y.ln1_b), {{y.qkv_w, y.qkv_b}})[0];
     std::vector<torch::Tensor> parts = qkv.chunk(3, -1);
     torch::Tensor att = MergeHeads(Attention(
         SplitHeads(parts[0], heads_), SplitHeads(parts[1], heads_), SplitHeads(parts[2], heads_)));
     torch::Tensor h = x + RowLinear(att, y.proj_w, y.proj_b);
-    const torch::Tensor m = ToGroup(LayerNorm(h, y.ln2_w, y.ln2_b));
-    const torch::Tensor up = Has(CAI_MODEL_KERNEL_FUSED_ACTIVATION)
-                                 ? kernels::FusedBiasGelu(Linear(m, W(y.fc_w), {}), Wb(y.fc_b))
-                                 : torch::gelu(Linear(m, W(y.fc_w), Wb(y.fc_b)), "tanh");
+    const torch::Tensor m = LayerNorm(h, y.ln2_w, y.ln2_b);
+    const torch::Tensor up =
+        Has(CAI_MODEL_KERNEL_FUSED_ACTIVATION)
+            ? kernels::FusedBiasGelu(Column(m, {{y.fc_w, kNone}})[0], Wb(y.fc_b))
+            : torch::gelu(Column(m, {{y.fc_w, y.fc_b}})[0], "tanh");
     return h + RowLinear(up, y.down_w, y.down_b);
   }
 
@@ -397,24 +408,25 @@ class Llama final : public ZooNetwork {
 
   torch::Tensor Forward(size_t unit, const torch::Tensor& x) const override {
     if (unit == 0) return Embed(embed_, x);
-    if (unit == size_t(Head())) return Linear(ToGroup(RmsNorm(x, norm_)), W(lm_head_), {});
+    if (unit == size_t(Head())) return Column(RmsNorm(x, norm_), {{lm_head_, kNone}})[0];
     const Layer& y = layers_[unit - 1];
-    torch::Tensor a = ToGroup(RmsNorm(x, y.attn_norm));
-    const int64_t t = a.size(1);  // the whole sequence, also under sequence parallelism
+    const std::vector<torch::Tensor> qkv =
+        Column(RmsNorm(x, y.attn_norm), {{y.q_w, y.q_b}, {y.k_w, y.k_b}, {y.v_w, y.v_b}});
+    const int64_t t = qkv[0].size(1);  // the whole sequence, also under sequence parallelism
     torch::Tensor cos = cos_.slice(0, 0, t).to(x.device(), x.scalar_type());
     torch::Tensor sin = sin_.slice(0, 0, t).to(x.device(), x.scalar_type());
-    torch::Tensor q = Rotate(SplitHeads(Linear(a, W(y.q_w), Wb(y.q_b)), heads_), cos, sin);
-    torch::Tensor k = Rotate(SplitHeads(Linear(a, W(y.k_w), Wb(y.k_b)), kv_heads_), cos, sin);
-    torch::Tensor v = SplitHeads(Linear(a, W(y.v_w), Wb(y.v_b)), kv_heads_);
+    torch::Tensor q = Rotate(SplitHeads(qkv[0], heads_), cos, sin);
+    torch::Tensor k = Rotate(SplitHeads(qkv[1], kv_heads_), cos, sin);
+    torch::Tensor v = SplitHeads(qkv[2], kv_heads_);
     const int64_t group = heads_ / kv_heads_;
     if (group > 1) {
       k = k.repeat_interleave(group, 1);
       v = v.repeat_interleave(group, 1);
     }
     torch::Tensor h = x + RowLinear(MergeHeads(Attention(q, k, v)), y.o_w, y.o_b);
-    torch::Tensor m = ToGroup(RmsNorm(h, y.mlp_norm));
-    const torch::Tensor gate = Linear(m, W(y.gate_w), Wb(y.gate_b));
-    const torch::Tensor up = Linear(m, W(y.up_w), Wb(y.up_b));
+    const std::vector<torch::Tensor> gate_up =
+        Column(RmsNorm(h, y.mlp_norm), {{y.gate_w, y.gate_b}, {y.up_w, y.up_b}});
+    const torch::Tensor &gate = gate_up[0], &up = gate_up[1];
     const torch::Tensor swiglu = Has(CAI_MODEL_KERNEL_FUSED_ACTIVATION)
                                      ? kernels::FusedSwiGlu(gate, up)
                                      : torch::silu(gate) * up;

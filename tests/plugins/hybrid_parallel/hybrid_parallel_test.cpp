@@ -407,11 +407,13 @@ TEST(HybridParallel, SequenceParallel_LlamaPlainSgdAndPipelineMatchReference) {
 // Bytes per step against the formula. Megatron-LM's sequence parallelism replaces each of the
 // (4L + 2)·B·T·e all-reduces of tensor parallelism by an all-gather of the B·(T/t)·e shards and
 // a reduce-scatter of the B·T·e partial sums (in bytes handed to the collectives; on a ring,
-// (t-1)/t·N for each, so the same wire bytes as the all-reduce's 2(t-1)/t·N). The all-reduces
-// left are the cross-entropy's 3·B·T and the gradients of the parameters used on sequence
-// shards: per block two norms' weights and biases and the two row-parallel biases (6e), the
-// final norm (2e) and the positions of the micro-batch (T·e). Both runs are otherwise the same
-// (ZeRO-1 over one data-parallel rank), so their differences are exactly these.
+// (t-1)/t·N for each, so the same wire bytes as the all-reduce's 2(t-1)/t·N), and backward
+// gathers the input of each of the 2L + 1 column-parallel regions again instead of keeping it
+// (one more all-gather each: 1.5 × the all-gathers). The all-reduces left are the
+// cross-entropy's 3·B·T and the gradients of the parameters used on sequence shards: per block
+// two norms' weights and biases and the two row-parallel biases (6e), the final norm (2e) and
+// the positions of the micro-batch (T·e). Both runs are otherwise the same (ZeRO-1 over one
+// data-parallel rank), so their differences are exactly these.
 TEST(HybridParallel, SequenceParallel_CommunicationMatchesFormula) {
   const TrainRun sp = Hybrid(
       "sp_tp2_zero1", 2, {"tp_size=2", "zero_stage=1", "enable_sequence_parallelism=true"}, kTpGpt);
@@ -435,7 +437,7 @@ TEST(HybridParallel, SequenceParallel_CommunicationMatchesFormula) {
   }
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
-    EXPECT_EQ(sp_gather[r] - tp_gather[r], 4 * micro_batches * regions / t);
+    EXPECT_EQ(sp_gather[r] - tp_gather[r], 4 * micro_batches * 1.5 * regions / t);
     EXPECT_EQ(sp_scatter[r] - tp_scatter[r], 4 * micro_batches * regions);
     EXPECT_EQ(tp_reduce[r] - sp_reduce[r], 4 * micro_batches * (regions - partial));
   }
@@ -591,7 +593,8 @@ TEST(HybridParallel, AllOptimizationsAndPerStageRecompute_MatchReference) {
 // With selective recomputation (their section 4.2: the attention core recomputed in backward,
 // which the memory-efficient attention does block by block) the a·s²·b term goes; the kernel
 // keeps the rows' log-sum-exp instead (a·s·b/t floats). With full recomputation (activation
-// checkpointing of every block) a block keeps its input alone, 4·s·b·h bytes. Measured as
+// checkpointing of every block) a block keeps its input alone, 4·s·b·h bytes. Sequence
+// parallelism (their section 4.2.2) splits the whole 4·s·b·h over the group too. Measured as
 // LibTorch's peak over the steps (summary.json framework_step_peak_bytes, the same on every
 // rank) at 8 blocks less at 4, over 4,
 // with the gradients in the data-parallel buckets (gradient_as_bucket_view), so that
@@ -601,15 +604,16 @@ TEST(HybridParallel, ActivationMemoryPerBlock_MatchesKorthikanti) {
   enum Recompute { kNone, kSelective, kFull };
   const char* const kNames[] = {"no recomputation", "selective recomputation",
                                 "full recomputation"};
-  auto per_block = [&](int tp, Recompute recompute) {
+  auto per_block = [&](int tp, Recompute recompute, bool sequence) {
     std::vector<double> peaks;
     for (int layers : {4, 8}) {
       const TrainRun run = Hybrid(
           "act_tp" + std::to_string(tp) + "_l" + std::to_string(layers) + "_" +
-              std::to_string(recompute),
+              std::to_string(recompute) + (sequence ? "_sp" : ""),
           tp,
           // Gradients straight into the buckets (the pool's): LibTorch holds activations alone.
-          {"tp_size=" + std::to_string(tp), "gradient_as_bucket_view=true"},
+          {"tp_size=" + std::to_string(tp), "gradient_as_bucket_view=true",
+           std::string("enable_sequence_parallelism=") + (sequence ? "true" : "false")},
           {"model.n_layer=" + std::to_string(layers), "model.n_embd=128", "model.n_head=4",
            "model.n_ctx=64", "train.seq_len=64", "train.global_batch=4", "train.grad_accum=1",
            "train.steps=2", "data.eval_fraction=0",
@@ -624,18 +628,34 @@ TEST(HybridParallel, ActivationMemoryPerBlock_MatchesKorthikanti) {
     }
     return (peaks[1] - peaks[0]) / 4;
   };
-  for (int tp : {1, 2}) {
-    for (Recompute recompute : {kNone, kSelective, kFull}) {
-      const double measured = per_block(tp, recompute);
-      const double formula = recompute == kFull ? 4 * s * b * h
-                             : recompute == kSelective
-                                 ? 4 * s * b * h * (4 + 12.0 / tp) + 4 * a * s * b / tp
-                                 : 4 * s * b * h * (4 + 12.0 / tp) + 4 * a * s * s * b / tp;
-      std::printf(
-          "tp %d, %s: activation memory per block %.0f B measured, %.0f B by the "
-          "formula (%+.2f%%)\n",
-          tp, kNames[recompute], measured, formula, 100 * (measured / formula - 1));
-      EXPECT_NEAR(measured, formula, 0.1 * formula) << "tp " << tp << ", " << kNames[recompute];
-    }
+  struct Case {
+    int tp;
+    Recompute recompute;
+    bool sequence;
+  };
+  for (const Case& c : std::vector<Case>{{1, kNone, false},
+                                         {1, kSelective, false},
+                                         {1, kFull, false},
+                                         {2, kNone, false},
+                                         {2, kSelective, false},
+                                         {2, kFull, false},
+                                         {2, kNone, true},
+                                         {2, kSelective, true},
+                                         {2, kFull, true}}) {
+    const double t = c.tp;
+    const double measured = per_block(c.tp, c.recompute, c.sequence);
+    // Sequence parallelism splits the 4·s·b·h kept whole over the group too.
+    const double shared = c.sequence ? 4 / t : 4;
+    const double formula = c.recompute == kFull ? 4 * s * b * h * shared / 4
+                           : c.recompute == kSelective
+                               ? 4 * s * b * h * (shared + 12 / t) + 4 * a * s * b / t
+                               : 4 * s * b * h * (shared + 12 / t) + 4 * a * s * s * b / t;
+    std::printf(
+        "tp %d%s, %s: activation memory per block %.0f B measured, %.0f B by the "
+        "formula (%+.2f%%)\n",
+        c.tp, c.sequence ? " with sequence parallelism" : "", kNames[c.recompute], measured,
+        formula, 100 * (measured / formula - 1));
+    EXPECT_NEAR(measured, formula, 0.1 * formula)
+        << "tp " << c.tp << ", " << kNames[c.recompute] << ", sequence " << c.sequence;
   }
 }

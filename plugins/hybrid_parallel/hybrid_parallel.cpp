@@ -758,20 +758,13 @@ class HybridParallel {
     const int32_t total = pp_ * chunks_;
     std::vector<int32_t> counts;
     if (!ckpt_layers_text_.empty()) {
-      std::stringstream in(ckpt_layers_text_);
-      for (std::string item; std::getline(in, item, ',');) {
-        try {
-          size_t used = 0;
-          counts.push_back(std::stoi(item, &used));
-          if (item.find_first_not_of(' ', used) != std::string::npos || counts.back() < 0) {
-            throw std::invalid_argument(item);
-          }
-        } catch (const std::exception&) {
-          throw Error(CAI_INVALID_ARGUMENT, "hybrid_parallel: num_ckpt_layers_per_stage = \"" +
-                                                ckpt_layers_text_ +
-                                                "\" must be block counts >= 0, comma-separated");
-        }
+      std::optional<std::vector<int32_t>> parsed = ParseCounts(ckpt_layers_text_);
+      if (!parsed) {
+        throw Error(CAI_INVALID_ARGUMENT, "hybrid_parallel: num_ckpt_layers_per_stage = \"" +
+                                              ckpt_layers_text_ +
+                                              "\" must be block counts >= 0, comma-separated");
       }
+      counts = std::move(*parsed);
       if (counts.size() == 1) counts.assign(total, counts[0]);
       if (static_cast<int32_t>(counts.size()) != total) {
         throw Error(CAI_INVALID_ARGUMENT,
@@ -946,17 +939,27 @@ class HybridParallel {
     }
   }
 
-  std::vector<int32_t> ParseLayersPerStage(int32_t stages, int32_t layers) const {
-    std::vector<int32_t> per;
-    std::stringstream in(layers_per_stage_text_);
+  // "2, 3,1" -> {2, 3, 1}; nullopt unless every item is an integer >= 0 (spaces around it).
+  static std::optional<std::vector<int32_t>> ParseCounts(const std::string& text) {
+    std::vector<int32_t> counts;
+    std::stringstream in(text);
     for (std::string item; std::getline(in, item, ',');) {
       try {
-        per.push_back(std::stoi(item));
+        size_t used = 0;
+        counts.push_back(std::stoi(item, &used));
+        if (item.find_first_not_of(' ', used) != std::string::npos || counts.back() < 0) {
+          return std::nullopt;
+        }
       } catch (const std::exception&) {
-        per.clear();
-        break;
+        return std::nullopt;
       }
     }
+    return counts;
+  }
+
+  std::vector<int32_t> ParseLayersPerStage(int32_t stages, int32_t layers) const {
+    const std::vector<int32_t> per =
+        ParseCounts(layers_per_stage_text_).value_or(std::vector<int32_t>{});
     const int32_t sum = std::accumulate(per.begin(), per.end(), 0);
     if (static_cast<int32_t>(per.size()) != stages || sum != layers) {
       throw Error(

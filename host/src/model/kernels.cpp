@@ -195,7 +195,9 @@ struct Attention : torch::autograd::Function<Attention> {
     const torch::ScalarType type = q.scalar_type();
     const int64_t t = q.size(2);
     const double scale = 1.0 / std::sqrt(double(q.size(3)));
-    const torch::Tensor dout = grads[0].contiguous();
+    // Strided as it comes (a view of the merged heads' gradient in a model): the block matmuls
+    // read it in place, and a contiguous copy would cost another s·b·h at backward's peak.
+    const torch::Tensor& dout = grads[0];
     // FlashAttention-2's D = rowsum(dO ∘ O).
     const torch::Tensor delta = (dout.to(torch::kFloat) * out.to(torch::kFloat)).sum(-1);
     torch::Tensor dq = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat));

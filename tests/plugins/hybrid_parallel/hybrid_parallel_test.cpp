@@ -313,7 +313,10 @@ TEST(HybridParallel, Tp2Pp2AndTp2Dp2_MatchReference) {
 TEST(HybridParallel, Bf16_Tp2MatchesReferencePerTensor) {
   std::vector<std::string> bf16 = kTpGpt;
   bf16.push_back("train.precision=bf16");
-  ExpectMatches(Reference("bf16_tp", bf16), Hybrid("bf16_tp2", 2, {"tp_size=2"}, bf16),
+  const TrainRun ref = Reference("bf16_tp", bf16);
+  ExpectMatches(ref, Hybrid("bf16_tp2", 2, {"tp_size=2"}, bf16), cai::testing::kBf16AdamW);
+  // Sequence parallelism: the gathers and reduce-scatters in bf16.
+  ExpectMatches(ref, Hybrid("bf16_sp2", 2, {"tp_size=2", "enable_sequence_parallelism=true"}, bf16),
                 cai::testing::kBf16AdamW);
 }
 
@@ -389,7 +392,8 @@ TEST(HybridParallel, SequenceParallel_Tp2AndTp3_GptMatchesReference) {
 }
 
 // Llama with grouped-query attention (RoPE applied to the gathered sequence), plain SGD on
-// GPT-2, and tp 2 x pp 2, where the stages hand each other sequence shards.
+// GPT-2, tp 2 x pp 2, where the stages hand each other sequence shards, and GPT-2 with every
+// block recomputed and the optional kernels.
 TEST(HybridParallel, SequenceParallel_LlamaPlainSgdAndPipelineMatchReference) {
   const std::vector<std::string> llama = {"model.kind=llama", "model.n_kv_head=2",
                                           "train.seq_len=18"};
@@ -398,9 +402,20 @@ TEST(HybridParallel, SequenceParallel_LlamaPlainSgdAndPipelineMatchReference) {
   std::vector<std::string> sgd = kSpGpt;
   sgd.insert(sgd.end(), cai::testing::kPlainSgdSets.begin(), cai::testing::kPlainSgdSets.end());
   ExpectMatches(Reference("sgd_sp", sgd), Hybrid("sp_sgd", 2, sp, sgd), kFp32Tolerance);
-  ExpectMatches(Reference("gpt_sp", kSpGpt),
+  const TrainRun ref = Reference("gpt_sp", kSpGpt);
+  ExpectMatches(ref,
                 Hybrid("sp_tp2_pp2", 4,
                        {"tp_size=2", "pp_size=2", "enable_sequence_parallelism=true"}, kSpGpt),
+                kFp32Tolerance);
+  // Every block recomputed in backward (its gathers and reduce-scatters with it), with the
+  // memory-efficient attention and the fused activation.
+  std::vector<std::string> recompute = kSpGpt;
+  recompute.push_back("model.activation_checkpointing=true");
+  ExpectMatches(ref,
+                Hybrid("sp_recompute", 2,
+                       {"tp_size=2", "enable_sequence_parallelism=true",
+                        "enable_flash_attention=true", "enable_jit_fused=true"},
+                       recompute),
                 kFp32Tolerance);
 }
 

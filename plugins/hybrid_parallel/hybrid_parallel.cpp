@@ -191,8 +191,9 @@ class HybridParallel {
                      "model.activation_checkpointing in charge.",
                      0, 1, kMin | CAI_CONFIG_HAS_MAX),
             IntKey("sp_size", "1",
-                   "Sequence-parallel degree of its own group (all_to_all, ring_attn); 1: "
-                   "split_gather runs over the tensor-parallel group.",
+                   "Sequence-parallel degree of its own group, for the all_to_all and ring_attn "
+                   "modes this version does not have: only 1 (split_gather runs over the "
+                   "tensor-parallel group).",
                    1, 0, kMin),
             BoolKey("enable_sequence_parallelism", "false",
                     "tp_size > 1: run norms, residuals and position embeddings on 1/tp_size of "

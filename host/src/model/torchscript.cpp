@@ -329,9 +329,9 @@ class TorchScriptNetwork final : public Network {
   }
 
   // The simple executor runs the graph as the interpreter reads it, each op's backward being its
-  // eager autograd formula: the profiling executor's differentiable subgraphs would cut
-  // differently around the inserted collectives and round differently from the unsplit model
-  // (and from eager PyTorch).
+  // eager autograd formula, as eager PyTorch computes it: the profiling executor builds
+  // differentiable subgraphs with their own gradient formulas, cut differently around the
+  // inserted collectives than in the unsplit model.
   static std::unique_ptr<torch::jit::GraphFunction> Executable(
       std::shared_ptr<torch::jit::Graph> graph) {
     return std::make_unique<torch::jit::GraphFunction>(c10::QualifiedName("__cai__.forward"),

@@ -13,14 +13,19 @@ Longest sequence: the peak is a + b·T (fitted through the two longest lengths m
 T where it reaches --limit-gib per rank is extrapolated, not run (the attention's compute grows
 as T², so a run at that length would take hours on this machine's two cores).
 
+Speed (--speed-pairs N): tp 2 and tp 2 + split_gather alternating N times at T = --speed-len
+(global batch 8, 6 steps), tokens/s of each and the per-pair ratio, median with min-max: what
+the all-gathers, reduce-scatters and the re-gather in backward cost against tensor
+parallelism's all-reduces.
+
 usage: bench/sequence_bench.py BUILD_DIR [--lengths 1024,2048,4096,8192] [--limit-gib 10]
-                               [job sizes of benchlib.py]
+                               [--speed-pairs 5] [--speed-len 1024] [job sizes of benchlib.py]
 """
 import argparse
 import tempfile
 from pathlib import Path
 
-from benchlib import add_job_options, run_cai
+from benchlib import add_job_options, format_spread, run_cai, spread
 
 MODES = {
     "1 rank": (1, ""),
@@ -40,24 +45,49 @@ def peak(build, args, work, mode, t):
     return max(r["framework_step_peak_bytes"] for r in summary["ranks"]), summary["blas"]
 
 
+def speed(build, args, work):
+    args.seq_len = args.n_ctx = args.speed_len
+    args.global_batch, args.steps, args.nproc = 8, 6, 2
+    print(f"\ntokens/s at T = {args.speed_len}, global batch 8, 6 steps, alternating:")
+    ratios = []
+    for i in range(args.speed_pairs):
+        figures = {}
+        for mode in ("tp 2", "tp 2 + split_gather"):
+            run_dir = work / f"speed-{mode.replace(' ', '_').replace('+', '')}-{i}"
+            summary = run_cai(build, args, run_dir, "hybrid_parallel",
+                              "\n[plugin.hybrid_parallel]\n" + MODES[mode][1],
+                              sets=("model.memory_efficient_attention=true",
+                                    "data.eval_fraction=0"))
+            figures[mode] = summary["tokens_per_s"]
+        ratios.append(figures["tp 2 + split_gather"] / figures["tp 2"])
+        print(f"  pair {i + 1}: tp 2 {figures['tp 2']:.0f}, tp 2 + split_gather "
+              f"{figures['tp 2 + split_gather']:.0f}, ratio {ratios[-1]:.3f}", flush=True)
+    print(f"  split_gather / tp 2 tokens/s: median {format_spread(spread(ratios))}; BLAS: "
+          f"{summary['blas']}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("build", type=Path)
     add_job_options(p, pairs=1)
     p.add_argument("--lengths", default="1024,2048,4096,8192")
     p.add_argument("--limit-gib", dest="limit_gib", type=float, default=10.0)
+    p.add_argument("--speed-pairs", dest="speed_pairs", type=int, default=0)
+    p.add_argument("--speed-len", dest="speed_len", type=int, default=1024)
     p.set_defaults(steps=2, global_batch=2, n_layer=2, n_embd=256, n_head=8, timeout=1800)
     args = p.parse_args()
     build = args.build.resolve()
-    lengths = [int(t) for t in args.lengths.split(",")]
+    lengths = [int(t) for t in args.lengths.split(",") if t]
     mib = 2 ** 20
-    print(f"GPT-2 n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head}, "
-          f"global batch {args.global_batch}, memory-efficient attention; LibTorch's peak over "
-          f"the steps per rank, MiB")
-    print(f"{'T':>6} " + " ".join(f"{m:>20}" for m in MODES) + f" {'split_gather/1 rank':>20}")
     blas = ""
     with tempfile.TemporaryDirectory(prefix="sequence_bench_") as tmp:
         before, last = {}, {}
+        if lengths:
+            print(f"GPT-2 n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head}, "
+                  f"global batch {args.global_batch}, memory-efficient attention; LibTorch's "
+                  f"peak over the steps per rank, MiB")
+            print(f"{'T':>6} " + " ".join(f"{m:>20}" for m in MODES) +
+                  f" {'split_gather/1 rank':>20}")
         for t in lengths:
             row = {}
             for mode in MODES:
@@ -65,7 +95,12 @@ def main():
             print(f"{t:>6} " + " ".join(f"{row[m] / mib:>20.1f}" for m in MODES) +
                   f" {row['tp 2 + split_gather'] / row['1 rank']:>20.3f}", flush=True)
             before, last = last, row
-        print(f"BLAS: {blas}")
+        if lengths:
+            print(f"BLAS: {blas}")
+        if args.speed_pairs:
+            speed(build, args, Path(tmp))
+        if len(lengths) < 2:
+            return
         limit = args.limit_gib * 2 ** 30
         print(f"\nlongest sequence within {args.limit_gib:g} GiB of LibTorch's memory per rank "
               f"(a + b·T through T = {lengths[-2]} and {lengths[-1]}, extrapolated):")
@@ -74,6 +109,7 @@ def main():
             base = last[mode] - slope * lengths[-1]
             print(f"  {mode:>20}: {slope / 1024:.1f} KiB per token, T ≈ "
                   f"{int((limit - base) / slope):,}", flush=True)
+
 
 if __name__ == "__main__":
     main()

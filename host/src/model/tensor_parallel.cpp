@@ -8,18 +8,20 @@
 #include "core/status.h"
 
 namespace cai::tp {
-namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// Autograd contexts hold IValues: the group travels as its address.
 int64_t Handle(const TensorParallelGroup& group) {
   return static_cast<int64_t>(reinterpret_cast<intptr_t>(&group));
 }
 const TensorParallelGroup& GroupOf(int64_t handle) {
   return *reinterpret_cast<const TensorParallelGroup*>(static_cast<intptr_t>(handle));
 }
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using tp::GroupOf;  // beside the overload below, which would hide it
+
 const TensorParallelGroup& GroupOf(AutogradContext* ctx) {
   return GroupOf(ctx->saved_data["group"].toInt());
 }
@@ -48,18 +50,21 @@ struct Reduce : torch::autograd::Function<Reduce> {
   }
 };
 
+// Every rank's x side by side along `dim`, in rank order: [..., s, ...] -> [..., size·s, ...].
+torch::Tensor AllGatherAlong(const torch::Tensor& x, const TensorParallelGroup& g, int64_t dim) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.insert(shape.begin(), g.size);
+  torch::Tensor out = torch::empty(shape, x.options());
+  g.all_gather(x.contiguous(), out);
+  std::vector<int64_t> whole = x.sizes().vec();
+  whole[dim] *= g.size;
+  return out.movedim(0, dim).reshape(whole);
+}
+
 struct Gather : torch::autograd::Function<Gather> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
     ctx->saved_data["group"] = group;
-    const TensorParallelGroup& g = GroupOf(group);
-    torch::Tensor in = x.contiguous();
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape.insert(shape.begin(), g.size);
-    torch::Tensor out = torch::empty(shape, x.options());
-    g.all_gather(in, out);
-    std::vector<int64_t> whole = x.sizes().vec();
-    whole.back() *= g.size;
-    return out.movedim(0, -2).reshape(whole);
+    return AllGatherAlong(x, GroupOf(group), x.dim() - 1);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const TensorParallelGroup& g = GroupOf(ctx);
@@ -73,13 +78,7 @@ struct Gather : torch::autograd::Function<Gather> {
 
 // [B, t, ...] shards -> [B, size·t, ...].
 torch::Tensor AllGatherSequence(const torch::Tensor& x, const TensorParallelGroup& g) {
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.insert(shape.begin(), g.size);
-  torch::Tensor out = torch::empty(shape, x.options());
-  g.all_gather(x.contiguous(), out);
-  std::vector<int64_t> whole = x.sizes().vec();
-  whole[1] *= g.size;
-  return out.movedim(0, 1).reshape(whole);
+  return AllGatherAlong(x, g, 1);
 }
 
 // [B, size·t, ...] partial sums -> this rank's [B, t, ...] of the sums.

@@ -13,6 +13,11 @@
 
 namespace cai::tp {
 
+// A group as an integer, for what holds only IValues (autograd contexts, TorchScript graphs):
+// its address. The group must outlive whatever holds the handle.
+int64_t Handle(const TensorParallelGroup& group);
+const TensorParallelGroup& GroupOf(int64_t handle);
+
 // f: identity forward, all-reduce of the gradient backward. It stands before column-parallel
 // projections, whose input every rank holds whole.
 torch::Tensor CopyToGroup(const torch::Tensor& x, const TensorParallelGroup& group);

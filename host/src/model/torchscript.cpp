@@ -22,19 +22,16 @@ using torch::jit::Value;
 
 namespace {
 
-// The ops a policy inserts into a TorchScript forward; `group` is the address of the network's
-// TensorParallelGroup, which outlives the graph.
-const TensorParallelGroup& Group(int64_t group) {
-  return *reinterpret_cast<const TensorParallelGroup*>(static_cast<intptr_t>(group));
-}
+// The ops a policy inserts into a TorchScript forward; `group` is the tp::Handle of the
+// network's TensorParallelGroup, which outlives the graph.
 torch::Tensor ScriptCopy(const torch::Tensor& x, int64_t group) {
-  return tp::CopyToGroup(x, Group(group));
+  return tp::CopyToGroup(x, tp::GroupOf(group));
 }
 torch::Tensor ScriptReduce(const torch::Tensor& x, int64_t group) {
-  return tp::ReduceFromGroup(x, Group(group));
+  return tp::ReduceFromGroup(x, tp::GroupOf(group));
 }
 torch::Tensor ScriptGather(const torch::Tensor& x, int64_t group) {
-  return tp::GatherLastDim(x, Group(group));
+  return tp::GatherLastDim(x, tp::GroupOf(group));
 }
 
 TORCH_LIBRARY_FRAGMENT(cai, m) {
@@ -308,10 +305,12 @@ class TorchScriptNetwork final : public Network {
     }
   }
 
-  // The attribute path every module-typed value of `graph` stands for ("" for self).
-  static std::unordered_map<const Value*, std::string> AttributePaths(
-      torch::jit::Graph& graph, std::unordered_map<std::string, std::vector<Value*>>& reads) {
-    std::unordered_map<const Value*, std::string> paths{{graph.inputs()[0], ""}};
+  // The values that read each attribute of the module ("blocks.l0.attn.qkv.weight"), following
+  // GetAttr chains from self.
+  static std::unordered_map<std::string, std::vector<Value*>> AttributeReads(
+      torch::jit::Graph& graph) {
+    std::unordered_map<std::string, std::vector<Value*>> reads;
+    std::unordered_map<const Value*, std::string> paths{{graph.inputs()[0], ""}};  // modules
     std::vector<Node*> nodes;
     CollectNodes(graph.block(), nodes);
     for (Node* node : nodes) {
@@ -325,7 +324,7 @@ class TorchScriptNetwork final : public Network {
         reads[path].push_back(node->output());
       }
     }
-    return paths;
+    return reads;
   }
 
   // The simple executor runs the graph as the interpreter reads it, each op's backward being its
@@ -343,8 +342,7 @@ class TorchScriptNetwork final : public Network {
   // the inserted ops refer to tp_ itself.
   void RewriteAndSlice(torch::jit::Graph& graph, const TensorParallelGroup& group) {
     const int64_t n = group.size;
-    std::unordered_map<std::string, std::vector<Value*>> reads;
-    AttributePaths(graph, reads);
+    std::unordered_map<std::string, std::vector<Value*>> reads = AttributeReads(graph);
     // Everything is checked before the graph or a parameter changes.
     struct Site {
       const Split* split;
@@ -423,16 +421,16 @@ class TorchScriptNetwork final : public Network {
     Value* handle = nullptr;
     {
       torch::jit::WithInsertPoint at_start(graph.block()->nodes().front());
-      handle = graph.insertConstant(
-          static_cast<int64_t>(reinterpret_cast<intptr_t>(static_cast<const void*>(&tp_))));
+      handle = graph.insertConstant(tp::Handle(tp_));
     }
     const c10::Symbol copy = c10::Symbol::fromQualString("cai::tp_copy");
     const c10::Symbol reduce = c10::Symbol::fromQualString("cai::tp_reduce");
     const c10::Symbol gather = c10::Symbol::fromQualString("cai::tp_gather");
-    // Inserts op(value) after `node` and points value's other uses at the result.
-    auto follow = [&](Node* node, Value* value, c10::Symbol op) {
-      torch::jit::WithInsertPoint after(node->next());
-      Value* out = graph.insert(op, {value, handle});
+    // Inserts op(value, second) right after value's node and points value's other uses at
+    // the result.
+    auto follow = [&](Value* value, c10::Symbol op, Value* second) {
+      torch::jit::WithInsertPoint after(value->node()->next());
+      Value* out = graph.insert(op, {value, second});
       value->replaceAllUsesWith(out);
       out->node()->replaceInput(0, value);
       return out;
@@ -443,7 +441,7 @@ class TorchScriptNetwork final : public Network {
         if (s.column) {
           torch::jit::WithInsertPoint before(node);
           node->replaceInput(0, graph.insert(copy, {node->input(0), handle}));
-          if (s.gather) follow(node, node->output(), gather);
+          if (s.gather) follow(node->output(), gather, handle);
           continue;
         }
         Value* bias = node->kind() == c10::aten::linear ? node->input(2) : nullptr;
@@ -452,14 +450,8 @@ class TorchScriptNetwork final : public Network {
           torch::jit::WithInsertPoint before(node);
           node->replaceInput(2, graph.insertConstant(c10::IValue()));
         }
-        Value* summed = follow(node, node->output(), reduce);
-        if (bias) {
-          // The bias once, after the partial products are summed.
-          torch::jit::WithInsertPoint after(summed->node()->next());
-          Value* biased = graph.insert(c10::aten::add, {summed, bias});
-          summed->replaceAllUsesWith(biased);
-          biased->node()->replaceInput(0, summed);
-        }
+        Value* summed = follow(node->output(), reduce, handle);
+        if (bias) follow(summed, c10::aten::add, bias);  // once, after the partial sums
       }
       const int32_t blocks = static_cast<int32_t>(s.column ? s.blocks : 1);
       site.weight->global_shape = site.weight->tensor.sizes().vec();

@@ -201,7 +201,6 @@ class ZooNetwork : public Network {
   // gathers again rather than keep the whole sequence.
   std::vector<torch::Tensor> Column(const torch::Tensor& x,
                                     std::initializer_list<std::pair<uint32_t, uint32_t>> wb) const {
-    std::vector<torch::Tensor> out;
     if (sequence_parallel_) {
       std::vector<torch::Tensor> weights, biases;
       for (const auto& [w, b] : wb) {
@@ -211,6 +210,7 @@ class ZooNetwork : public Network {
       return tp::GatheredLinears(x, weights, biases, tp_);
     }
     const torch::Tensor in = tp_.size == 1 ? x : tp::CopyToGroup(x, tp_);
+    std::vector<torch::Tensor> out;
     for (const auto& [w, b] : wb) out.push_back(Linear(in, W(w), Wb(b)));
     return out;
   }
@@ -229,11 +229,6 @@ class ZooNetwork : public Network {
   torch::Tensor Shard(uint32_t index) const {
     if (index == kNone) return torch::Tensor();
     return sequence_parallel_ ? tp::CopyToGroup(W(index), tp_) : W(index);
-  }
-  // Rows [first, first + count) of the sequence this rank holds between the regions.
-  std::pair<int64_t, int64_t> SequenceShard(int64_t t) const {
-    if (!sequence_parallel_) return {0, t};
-    return {tp_.rank * (t / tp_.size), t / tp_.size};
   }
   // Token embedding; under tensor parallelism each rank looks up the tokens of its rows of
   // the vocabulary, zeros for the others, and the group sums.
@@ -319,10 +314,12 @@ class Gpt2 final : public ZooNetwork {
 
   torch::Tensor Forward(size_t unit, const torch::Tensor& x) const override {
     if (unit == 0) {
-      const auto [first, count] = SequenceShard(x.size(1));
-      torch::Tensor positions = W(wpe_).slice(0, 0, x.size(1));
-      if (first != 0 || count != x.size(1)) {
-        positions = tp::CopyToGroup(positions, tp_).slice(0, first, first + count);
+      const int64_t t = x.size(1);
+      torch::Tensor positions = W(wpe_).slice(0, 0, t);
+      if (sequence_parallel_) {  // this rank's rows [rank·t/size, (rank + 1)·t/size)
+        const int64_t part = t / tp_.size;
+        positions =
+            tp::CopyToGroup(positions, tp_).slice(0, tp_.rank * part, (tp_.rank + 1) * part);
       }
       return Embed(wte_, x) + positions;
     }

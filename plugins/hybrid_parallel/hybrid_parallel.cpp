@@ -533,7 +533,8 @@ class HybridParallel {
       const int32_t v = c * pp_ + pp_rank_;
       const Stage& stage = stages_[c];
       Buffer input;
-      int64_t shape[3] = {batch.tokens->shape[0], SequenceShard(batch.tokens->shape[1]), hidden_};
+      int64_t shape[3];
+      BoundaryShape(*batch.tokens, shape);
       if (v > 0) {
         input = sdk::AllocFlat(CAI_MEM_DEVICE, Elements(shape), wire_dtype_, "pipeline.eval");
         P2P(CAI_COMM_RECV, Tensor3(input, shape), (v - 1) % pp_, Tag(2, 0, v)).Wait();
@@ -998,9 +999,13 @@ class HybridParallel {
   static int32_t Tag(int32_t kind, int32_t mb, int32_t stage) {
     return (kind << 24) | (mb << 8) | stage;
   }
-  // The tokens of a micro-batch a stage boundary carries: 1/tp of them under sequence
-  // parallelism.
-  int64_t SequenceShard(int64_t tokens) const { return sequence_parallel_ ? tokens / tp_ : tokens; }
+  // What a stage boundary carries for a micro-batch of `tokens` [B, T]: [B, T, hidden], or
+  // [B, T/tp, hidden] under sequence parallelism (this rank's part of the sequence).
+  void BoundaryShape(const cai_tensor& tokens, int64_t shape[3]) const {
+    shape[0] = tokens.shape[0];
+    shape[1] = sequence_parallel_ ? tokens.shape[1] / tp_ : tokens.shape[1];
+    shape[2] = hidden_;
+  }
   static int64_t Elements(const int64_t* shape) { return shape[0] * shape[1] * shape[2]; }
   cai_tensor Tensor3(const Buffer& b, int64_t* shape) const {
     cai_tensor t = sdk::FlatView(b, wire_dtype_, 0, shape);
@@ -1044,10 +1049,7 @@ class HybridParallel {
     const auto key = std::make_tuple(op.forward, op.mb, op.chunk);
     if (recvs_.count(key)) return;
     Pending& p = recvs_[key];
-    const cai_tensor* tokens = args.micro_batches[op.mb].tokens;
-    p.shape[0] = tokens->shape[0];
-    p.shape[1] = SequenceShard(tokens->shape[1]);
-    p.shape[2] = hidden_;
+    BoundaryShape(*args.micro_batches[op.mb].tokens, p.shape);
     p.buffer = sdk::AllocFlat(CAI_MEM_DEVICE, Elements(p.shape), wire_dtype_,
                               op.forward ? "pipeline.activation" : "pipeline.grad");
     const int32_t peer = op.forward ? (v - 1) % pp_ : (v + 1) % pp_;
@@ -1120,8 +1122,8 @@ class HybridParallel {
       if (batch.loss) *batch.loss = loss;
       return loss * batch.loss_weight;
     }
-    const int64_t shape[3] = {batch.tokens->shape[0], SequenceShard(batch.tokens->shape[1]),
-                              hidden_};
+    int64_t shape[3];
+    BoundaryShape(*batch.tokens, shape);
     Send(ToWire(out, shape), shape, (v + 1) % pp_, Tag(0, op.mb, v + 1));
     activations_[{op.mb, op.chunk}] = out;
     return 0;
@@ -1149,7 +1151,8 @@ class HybridParallel {
       activations_.erase(it);
       b.activation = act;
     }
-    int64_t shape[3] = {batch.tokens->shape[0], SequenceShard(batch.tokens->shape[1]), hidden_};
+    int64_t shape[3];
+    BoundaryShape(*batch.tokens, shape);
     Buffer grad_in;
     cai_tensor gin{};
     if (v > 0) {

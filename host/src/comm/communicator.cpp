@@ -993,9 +993,8 @@ class Communicator::Impl {
       } catch (const std::exception& e) {
         WireEnd(g, spec.op);
         const cai_status_code code = Classify(e.what());
-        // A peer that aborted for a lost rank closed its connections after publishing why:
-        // report that, while this rank is still in the collective.
-        if (code == CAI_UNAVAILABLE && liveness_) liveness_->CheckVerdict();
+        // While this rank is still in the collective, for its heartbeat.
+        if (code == CAI_UNAVAILABLE) ExplainClosed(g, *w, e.what());
         EndRunning(g, *w);
         if (std::string aborted = Aborted(); !aborted.empty()) {
           Fail(g, *w, CAI_UNAVAILABLE, aborted);
@@ -1023,6 +1022,17 @@ class Communicator::Impl {
         Fail(g, *w, code, message);
       }
     }
+  }
+
+  // A peer closed its connection. A peer that aborted for a lost rank published why before
+  // closing: wait for that report; without one the peer itself exited or was killed, and this
+  // rank publishes that before it aborts, so that the ranks it leaves name the first loss.
+  void ExplainClosed(const cai_comm_group& g, const WorkState& w, const std::string& what) {
+    if (!liveness_ || liveness_->CheckVerdict()) return;
+    const std::string closed = ClosedBy(g, what);
+    if (closed.empty()) return;
+    liveness_->Report(closed.substr(2) + " (noticed by world rank " +
+                      std::to_string(options_.rank) + " in " + w.description + ")");
   }
 
   // For each peer whose connection Gloo's error `what` names: "; rank 2 closed its connection
@@ -1163,11 +1173,12 @@ class Communicator::Impl {
         w->Finish(CAI_OK, {});
       } catch (const std::exception& e) {
         WirePointToPoint(g, w->spec.op);
+        const cai_status_code code = Classify(e.what());
+        if (code == CAI_UNAVAILABLE) ExplainClosed(g, *w, e.what());
         if (std::string aborted = Aborted(); !aborted.empty()) {
           Fail(g, *w, CAI_UNAVAILABLE, aborted);
           continue;
         }
-        const cai_status_code code = Classify(e.what());
         std::string message = e.what();
         if (code == CAI_DEADLINE_EXCEEDED) {
           message = "timed out after " + std::to_string(w->spec.timeout.count()) +

@@ -119,6 +119,8 @@ bool Liveness::CheckVerdict() {
   return declared_;
 }
 
+void Liveness::Report(const std::string& report) { Declare(report, true); }
+
 void Liveness::SendTo(int rank, const std::string& message) {
   const sockaddr_in& a = addresses_[static_cast<size_t>(rank)];
   // Best effort: a datagram that cannot be sent now is a missed beat.

@@ -77,6 +77,12 @@ class Liveness {
   // peer closed on its own (it exited or was killed).
   bool CheckVerdict();
 
+  // For a rank that saw a peer close its connection with no verdict to explain it: declares
+  // `report` here and sends it to every rank before this rank aborts and closes its own
+  // connections, so that a rank which then sees *this* rank hang up names the first loss, not
+  // the cascade (rank 2 killed, rank 1 noticing and exiting, rank 0 meeting only rank 1).
+  void Report(const std::string& report);
+
  private:
   void Loop();
   void Receive();

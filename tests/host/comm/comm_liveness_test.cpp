@@ -157,6 +157,50 @@ TEST(CommLiveness, Comm_ThreeRanks_KilledRank_PeersInCollectiveFailAtOnceNamingI
   waitpid(pids[2], nullptr, 0);
 }
 
+// A cascade: rank 2 is killed in a collective with rank 1 only; rank 1 fails and exits; rank 0,
+// in a collective with rank 1 only, meets nothing but rank 1 hanging up. It must still name
+// rank 2, the first loss, which rank 1 published before closing its connections.
+TEST(CommLiveness, Comm_ThreeRanks_KilledRankSeenThroughAnotherRank_NamesTheFirstLoss) {
+  const int port = FreePort();
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < 3; ++rank) {
+    pids.push_back(ForkRank({rank, 3, port}, [](const RankContext& ctx) {
+      Init(ctx, milliseconds(5000));
+      const int32_t low[] = {0, 1};
+      const int32_t high[] = {1, 2};
+      cai_comm_group* g01 = nullptr;
+      cai_comm_group* g12 = nullptr;
+      CAI_EXPECT_OK(Api().new_group(low, 2, &g01));
+      CAI_EXPECT_OK(Api().new_group(high, 2, &g12));
+      HostTensor<float> x(1000, kF32);
+      AllReduce(x);
+      if (ctx.rank == 2) raise(SIGKILL);
+      if (ctx.rank == 1) std::this_thread::sleep_for(milliseconds(300));
+      cai_comm_args args = Args(CAI_COMM_ALL_REDUCE, nullptr, &x.t);
+      args.group = ctx.rank == 1 ? g12 : g01;
+      const auto start = Clock::now();
+      const Outcome o = Take(Api().run(&args, nullptr));
+      const double took = std::chrono::duration<double>(Clock::now() - start).count();
+      std::printf("rank %d: failed after %.1f s: %s\n", ctx.rank, took, o.message.c_str());
+      EXPECT_EQ(o.code, CAI_UNAVAILABLE) << o.message;
+      EXPECT_LT(took, 3.0) << o.message;
+      EXPECT_NE(o.message.find("(world rank 2) closed its connection (it exited or was killed)"),
+                std::string::npos)
+          << o.message;
+      EXPECT_NE(o.message.find("(noticed by world rank 1 in all_reduce #1 on group"),
+                std::string::npos)
+          << o.message;
+      // Rank 1 leaves as a rank that lost a peer does, which is all rank 0 sees of the loss.
+      if (ctx.rank == 1) {
+        std::fflush(stdout);
+        _exit(::testing::Test::HasFailure() ? 1 : 0);
+      }
+    }));
+  }
+  for (int rank = 0; rank < 2; ++rank) ExpectExitsCleanly(pids[rank], rank, seconds(40));
+  waitpid(pids[2], nullptr, 0);
+}
+
 TEST(CommLiveness, Comm_TwoRanks_LongCollectiveOnHealthyGroup_DoesNotTripHeartbeat) {
   RunRanks(2, [](const RankContext& ctx) {
     Init(ctx, milliseconds(1000));

@@ -1,12 +1,18 @@
 // libcai_hybrid_parallel: tensor and pipeline parallelism with data parallelism across the
 // replicas, as ColossalAI's HybridParallelPlugin; sequence parallelism in its split_gather mode
-// (Megatron-LM's, over the tensor-parallel group; the other modes and sp_size are refused).
+// (Megatron-LM's, over the tensor-parallel group) and its all_to_all mode (DeepSpeed-Ulysses,
+// over a group of sp_size ranks of its own); ring and ring_attn are refused.
 //
-// Mesh. The world is dp_size × pp_size × tp_size ranks, tensor parallelism innermost
-// (ColossalAI's dp-outside order): world rank = (dp_rank · pp_size + pp_rank) · tp_size +
-// tp_rank. A tensor-parallel group is tp_size consecutive ranks; a pipeline holds one rank of
-// each stage's group; a data-parallel group holds the ranks of one (stage, tp rank) position
-// across the replicas.
+// Mesh. The world is dp_size × pp_size × sp_size × tp_size ranks, tensor parallelism innermost
+// (ColossalAI's dp-outside order): world rank = ((dp_rank · pp_size + pp_rank) · sp_size +
+// sp_rank) · tp_size + tp_rank. A tensor-parallel group is tp_size consecutive ranks; a
+// sequence-parallel group holds one rank of each of sp_size neighbouring tensor-parallel
+// groups; a pipeline holds one rank of each stage's group; a data-parallel group holds the
+// ranks of one (stage, tp rank) position across the replicas and, under all_to_all, across
+// the sequence-parallel ranks too: Ulysses leaves each rank a partial gradient whose sum over
+// its sequence-parallel group is the gradient, so gradients are reduced (and ZeRO shards) over
+// dp × sp, as ColossalAI does. The host hands every rank of a replica the same micro-batches;
+// the model takes each sequence-parallel rank's shard of the positions.
 //
 // Tensor parallelism is the host's (apply_tensor_parallel, at boost, before anything else):
 // each rank keeps its slices of the split parameters and the model all-reduces inside forward
@@ -191,20 +197,22 @@ class HybridParallel {
                      "model.activation_checkpointing in charge.",
                      0, 1, kMin | CAI_CONFIG_HAS_MAX),
             IntKey("sp_size", "1",
-                   "Sequence-parallel degree of its own group, for the all_to_all and ring_attn "
-                   "modes this version does not have: only 1 (split_gather runs over the "
-                   "tensor-parallel group).",
+                   "all_to_all: the ranks of the sequence-parallel group, each holding 1/sp_size "
+                   "of every sequence (the world is dp x pp x sp x tp); must divide the heads "
+                   "and key/value heads per tensor-parallel rank, and train.seq_len. 1 for "
+                   "split_gather, which runs over the tensor-parallel group.",
                    1, 0, kMin),
             BoolKey("enable_sequence_parallelism", "false",
-                    "tp_size > 1: run norms, residuals and position embeddings on 1/tp_size of "
-                    "the sequence between the tensor-parallel regions (all activation memory "
-                    "divided by tp_size; backward gathers each region's input again instead of "
-                    "keeping it: 1.25x tensor parallelism's bytes on the wire); train.seq_len "
-                    "must divide by tp_size."),
+                    "Split every sequence over ranks as sequence_parallelism_mode says."),
             StringKey("sequence_parallelism_mode", "\"split_gather\"",
-                      "split_gather: Megatron-LM's sequence parallelism (all-gather before the "
-                      "column-parallel layers, reduce-scatter after the row-parallel ones). "
-                      "ring, all_to_all and ring_attn are not in this version.",
+                      "split_gather (tp_size > 1): Megatron-LM's sequence parallelism, norms, "
+                      "residuals and position embeddings on 1/tp_size of the sequence, all-gather "
+                      "before the column-parallel layers, reduce-scatter after the row-parallel "
+                      "ones (1.25x tensor parallelism's bytes on the wire); train.seq_len must "
+                      "divide by tp_size. all_to_all (sp_size > 1): DeepSpeed-Ulysses, every "
+                      "layer on 1/sp_size of the sequence, attention on all of it for 1/sp_size "
+                      "of the heads through two all-to-alls; gradients reduced over dp x sp. "
+                      "ring and ring_attn are not in this version.",
                       kSequenceModes),
             IntKey("pp_size", "1",
                    "Pipeline stages; the world must be a multiple of it (the rest is data "
@@ -263,39 +271,52 @@ class HybridParallel {
       : world_rank_(args.rank), world_(args.world_size) {
     sdk::Config config(args.config);
     tp_ = static_cast<int32_t>(config.Int("tp_size"));
-    sequence_parallel_ = config.Bool("enable_sequence_parallelism");
+    const bool enabled = config.Bool("enable_sequence_parallelism");
     const std::string& mode = config.String("sequence_parallelism_mode");
-    if (sequence_parallel_ && mode != "split_gather") {
+    if (enabled && mode != "split_gather" && mode != "all_to_all") {
       throw Error(CAI_UNIMPLEMENTED,
                   "hybrid_parallel: sequence_parallelism_mode = \"" + mode +
                       "\" is not in this version; \"split_gather\" (Megatron-LM's, over the "
-                      "tensor-parallel group) is");
+                      "tensor-parallel group) and \"all_to_all\" (DeepSpeed-Ulysses, over "
+                      "sp_size ranks) are");
     }
+    sequence_parallel_ = enabled && mode == "split_gather";
+    ulysses_ = enabled && mode == "all_to_all";
     if (sequence_parallel_ && tp_ < 2) {
       throw Error(CAI_INVALID_ARGUMENT,
                   "hybrid_parallel: enable_sequence_parallelism with sequence_parallelism_mode "
                   "= \"split_gather\" splits the sequence over the tensor-parallel group: set "
                   "tp_size > 1");
     }
-    if (config.Int("sp_size") != 1) {
-      throw Error(CAI_UNIMPLEMENTED,
-                  "hybrid_parallel: sp_size = " + std::to_string(config.Int("sp_size")) +
-                      ": a sequence-parallel group of its own serves the all_to_all and "
-                      "ring_attn modes, which are not in this version; split_gather runs over "
-                      "tp_size (enable_sequence_parallelism = true)");
+    sp_ = static_cast<int32_t>(config.Int("sp_size"));
+    if (ulysses_ && sp_ < 2) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "hybrid_parallel: sequence_parallelism_mode = \"all_to_all\" splits the "
+                  "sequence over a group of sp_size ranks: set sp_size > 1");
+    }
+    if (!ulysses_ && sp_ != 1) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "hybrid_parallel: sp_size = " + std::to_string(sp_) +
+                      " sizes the group of sequence_parallelism_mode = \"all_to_all\" with "
+                      "enable_sequence_parallelism = true" +
+                      (enabled ? " (split_gather runs over the tensor-parallel group: leave "
+                                 "sp_size at 1)"
+                               : "") +
+                      "; set those, or sp_size = 1");
     }
     pp_ = static_cast<int32_t>(config.Int("pp_size"));
-    if (world_ % (pp_ * tp_) != 0) {
+    if (world_ % (pp_ * sp_ * tp_) != 0) {
       throw Error(CAI_INVALID_ARGUMENT,
-                  "hybrid_parallel: pp_size x tp_size = " + std::to_string(pp_) + " x " +
-                      std::to_string(tp_) + " does not divide the world of " +
-                      std::to_string(world_) +
+                  "hybrid_parallel: pp_size x sp_size x tp_size = " + std::to_string(pp_) + " x " +
+                      std::to_string(sp_) + " x " + std::to_string(tp_) +
+                      " does not divide the world of " + std::to_string(world_) +
                       " ranks; use divisors of it (the rest of the world is data parallelism)");
     }
-    dp_ = world_ / (pp_ * tp_);
+    dp_ = world_ / (pp_ * sp_ * tp_);
     tp_rank_ = world_rank_ % tp_;
-    pp_rank_ = (world_rank_ / tp_) % pp_;
-    dp_rank_ = world_rank_ / (tp_ * pp_);
+    sp_rank_ = (world_rank_ / tp_) % sp_;
+    pp_rank_ = (world_rank_ / (tp_ * sp_)) % pp_;
+    dp_rank_ = world_rank_ / (tp_ * sp_ * pp_);
     parallel_output_ = config.Bool("parallel_output");
     const bool all = config.Bool("enable_all_optimization");
     kernels_ =
@@ -387,6 +408,7 @@ class HybridParallel {
     sdk::RequireFp32Params(model_, kName);
     MakeGroups();
     if (tp_ > 1) ApplyTensorParallel();
+    if (ulysses_) ApplySequenceParallel();
     PlanStages();
     ConfigureModel();
     const uint32_t num_params = Host().model->num_params(model_);
@@ -440,9 +462,11 @@ class HybridParallel {
     if (precision_ == CAI_PRECISION_FP16) epilogue_->EnableLossScaling(scaler_config_);
 
     std::ostringstream line;
-    line << "hybrid_parallel: dp " << dp_ << " x pp " << pp_ << " x tp " << tp_
-         << (sequence_parallel_ ? " (sequence parallelism split_gather)" : "") << ", "
-         << (interleaved_ ? "interleaved" : "1f1b") << " over " << microbatches_
+    line << "hybrid_parallel: dp " << dp_ << " x pp " << pp_ << " x sp " << sp_ << " x tp " << tp_
+         << (sequence_parallel_ ? " (sequence parallelism split_gather)"
+             : ulysses_         ? " (sequence parallelism all_to_all)"
+                                : "")
+         << ", " << (interleaved_ ? "interleaved" : "1f1b") << " over " << microbatches_
          << " micro-batches, zero_stage " << zero_stage_ << "; pipeline rank " << pp_rank_
          << " runs";
     for (const Stage& s : stages_) {
@@ -456,7 +480,7 @@ class HybridParallel {
   void ParallelLayout(cai_parallel_layout& out) {
     out.data_parallel_rank = dp_rank_;
     out.data_parallel_size = dp_;
-    out.reports_loss = pp_rank_ == pp_ - 1 && tp_rank_ == 0;
+    out.reports_loss = pp_rank_ == pp_ - 1 && sp_rank_ == 0 && tp_rank_ == 0;
     out.pipelines = pp_ > 1;
   }
 
@@ -565,10 +589,10 @@ class HybridParallel {
     const uint32_t num_params = Host().model->num_params(model_);
     sdk::StepSums sums;
     if (replica_) {
-      // The reduced buckets are the same on every rank of the data-parallel group: its rank 0
+      // The reduced buckets are the same on every rank of the group reducing them: its rank 0
       // contributes the norm.
-      sums =
-          replica_->LocalSums(num_params, epilogue_->loss_scaling(), dp_rank_ == 0, not_counted_);
+      sums = replica_->LocalSums(num_params, epilogue_->loss_scaling(), ReducerRank() == 0,
+                                 not_counted_);
     } else {
       sums = zero_->LocalSums(num_params, epilogue_->loss_scaling());
       sums.sum_squares -= zero_->SumSquaresOf(not_counted_);
@@ -590,10 +614,11 @@ class HybridParallel {
     }
   }
 
-  // The canonical layout: each stage's data-parallel rank 0 writes what its stage holds; with
+  // The canonical layout: each stage's rank 0 of the group reducing its gradients (data
+  // parallelism, × sequence parallelism under all_to_all) writes what its stage holds; with
   // tensor parallelism the slices are gathered over the group and its rank 0 writes them whole.
   void Save(const cai_checkpoint_args& args) {
-    const bool writer = dp_rank_ == 0;
+    const bool writer = ReducerRank() == 0;
     auto writes = [&](uint32_t p) { return counted_[p] != 0; };
     const sdk::ParamIo& io = tp_io_ ? *tp_io_ : sdk::DirectIo();
     if (replica_) {
@@ -661,6 +686,7 @@ class HybridParallel {
     const uint64_t tp = args.config ? static_cast<uint64_t>(config.Int("tp_size")) : 1;
     const int zero = args.config ? static_cast<int>(config.Int("zero_stage")) : 0;
     const uint64_t world = static_cast<uint64_t>(std::max(1, args.world_size));
+    // ZeRO shards over every rank holding the same slice of the same stage: dp · sp.
     const uint64_t dp = std::max<uint64_t>(1, world / (pp * tp));
     const bool mixed = args.precision != CAI_PRECISION_FP32;
     const uint64_t stage = (static_cast<uint64_t>(args.num_params) + pp * tp - 1) / (pp * tp);
@@ -672,8 +698,9 @@ class HybridParallel {
     out.optimizer_state_bytes = 4ull * args.optimizer_state_slots * sharded;
     out.device_bytes =
         out.param_bytes + out.grad_bytes + out.master_bytes + out.optimizer_state_bytes;
-    out.formula = zero > 0 ? "per rank: (P + G)Ψ/(pp·tp) + (K + M)Ψ/(pp·tp·dp), ZeRO over dp"
-                           : "per rank: (P + G + M + K)Ψ/(pp·tp), replicated over dp";
+    out.formula = zero > 0 ? "per rank: (P + G)Ψ/(pp·tp) + (K + M)Ψ/(pp·tp·dp·sp), ZeRO over "
+                             "dp·sp (sp: all_to_all's sequence-parallel ranks, else 1)"
+                           : "per rank: (P + G + M + K)Ψ/(pp·tp), replicated over dp·sp";
   }
 
  private:
@@ -697,9 +724,11 @@ class HybridParallel {
 
   // ---- Boost ---------------------------------------------------------------------------------
 
-  int32_t WorldRank(int32_t dp_rank, int32_t pp_rank, int32_t tp_rank) const {
-    return (dp_rank * pp_ + pp_rank) * tp_ + tp_rank;
+  int32_t WorldRank(int32_t dp_rank, int32_t pp_rank, int32_t sp_rank, int32_t tp_rank) const {
+    return ((dp_rank * pp_ + pp_rank) * sp_ + sp_rank) * tp_ + tp_rank;
   }
+  // This rank's rank in the group its gradients are reduced over (dp × sp).
+  int32_t ReducerRank() const { return dp_rank_ * sp_ + sp_rank_; }
 
   // A group of `ranks`, created on every rank (collective); `mine` is set where this rank is
   // a member.
@@ -710,33 +739,62 @@ class HybridParallel {
     groups_.push_back(g);
   }
 
-  // Tensor-parallel groups (tp consecutive ranks), pipeline groups (one tensor-parallel rank
-  // of every stage of a replica) and data-parallel groups (one position across the replicas);
-  // every rank creates every group, in one order.
+  // Tensor-parallel groups (tp consecutive ranks), sequence-parallel groups (one rank of sp
+  // neighbouring tensor-parallel groups), pipeline groups (one tensor- and sequence-parallel
+  // position of every stage of a replica) and the groups gradients are reduced over (one
+  // (stage, tp rank) position across the replicas and the sequence-parallel ranks); every rank
+  // creates every group, in one order.
   void MakeGroups() {
-    for (int32_t d = 0; d < dp_ && tp_ > 1; ++d) {
-      for (int32_t p = 0; p < pp_; ++p) {
-        std::vector<int32_t> ranks;
-        for (int32_t t = 0; t < tp_; ++t) ranks.push_back(WorldRank(d, p, t));
-        NewGroup(ranks, tp_group_);
+    auto each = [&](auto&& visit) {
+      for (int32_t d = 0; d < dp_; ++d) {
+        for (int32_t p = 0; p < pp_; ++p) {
+          for (int32_t s = 0; s < sp_; ++s) {
+            for (int32_t t = 0; t < tp_; ++t) visit(d, p, s, t);
+          }
+        }
       }
+    };
+    // Ranks that differ only where `key` of their coordinates differs, one group per key.
+    auto groups = [&](auto key, cai_comm_group*& mine) {
+      std::map<std::array<int32_t, 4>, std::vector<int32_t>> by_key;
+      each([&](int32_t d, int32_t p, int32_t s, int32_t t) {
+        by_key[key(d, p, s, t)].push_back(WorldRank(d, p, s, t));
+      });
+      for (const auto& [k, ranks] : by_key) NewGroup(ranks, mine);
+    };
+    if (tp_ > 1) {
+      groups(
+          [](int32_t d, int32_t p, int32_t s, int32_t) {
+            return std::array{d, p, s, 0};
+          },
+          tp_group_);
     }
-    for (int32_t d = 0; d < dp_ && pp_ > 1; ++d) {
-      for (int32_t t = 0; t < tp_; ++t) {
-        std::vector<int32_t> ranks;
-        for (int32_t p = 0; p < pp_; ++p) ranks.push_back(WorldRank(d, p, t));
-        NewGroup(ranks, pp_group_);
-      }
+    if (sp_ > 1) {
+      groups(
+          [](int32_t d, int32_t p, int32_t, int32_t t) {
+            return std::array{d, p, 0, t};
+          },
+          sp_group_);
     }
-    for (int32_t p = 0; p < pp_ && dp_ > 1 && pp_ * tp_ > 1; ++p) {
-      for (int32_t t = 0; t < tp_; ++t) {
-        std::vector<int32_t> ranks;
-        for (int32_t d = 0; d < dp_; ++d) ranks.push_back(WorldRank(d, p, t));
-        NewGroup(ranks, dp_group_);
-      }
+    if (pp_ > 1) {
+      groups(
+          [](int32_t d, int32_t, int32_t s, int32_t t) {
+            return std::array{d, 0, s, t};
+          },
+          pp_group_);
     }
-    if (pp_ * tp_ == 1) dp_group_ = nullptr;  // the world
-    if (dp_ == 1 && pp_ * tp_ > 1) dp_group_ = SelfGroup();
+    const int32_t reducers = dp_ * sp_;
+    if (pp_ * tp_ == 1) {
+      dp_group_ = nullptr;  // the world
+    } else if (reducers == 1) {
+      dp_group_ = SelfGroup();
+    } else {
+      groups(
+          [](int32_t, int32_t p, int32_t, int32_t t) {
+            return std::array{0, p, 0, t};
+          },
+          dp_group_);
+    }
   }
 
   // The Shardformer kernels and which blocks recompute.
@@ -801,6 +859,25 @@ class HybridParallel {
       }
       sdk::Log(CAI_LOG_INFO, "hybrid_parallel: virtual stage " + std::to_string(v) +
                                  " recomputes units [" + recomputed + "] in backward");
+    }
+  }
+
+  // Ulysses over the sequence-parallel group (the host's all-to-alls around attention).
+  void ApplySequenceParallel() {
+    const cai_model_api& model = *Host().model;
+    if (!CAI_HAS_FIELD(&model, cai_model_api, apply_sequence_parallel)) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "hybrid_parallel: sequence_parallelism_mode = \"all_to_all\" needs a host "
+                  "with ABI 1.3's apply_sequence_parallel; upgrade cai or use split_gather");
+    }
+    cai_sequence_parallel_args a{};
+    a.struct_size = CAI_SEQUENCE_PARALLEL_ARGS_STRUCT_SIZE;
+    a.group = sp_group_;
+    a.mode = CAI_SEQUENCE_PARALLEL_ALL_TO_ALL;
+    try {
+      Check(model.apply_sequence_parallel(model_, &a));
+    } catch (const Error& e) {
+      throw Error(e.code(), "hybrid_parallel: sp_size = " + std::to_string(sp_) + ": " + e.what());
     }
   }
 
@@ -914,17 +991,19 @@ class HybridParallel {
     for (const auto& [ranks, params] : shared_by_ranks) {
       Shared mine;
       for (int32_t d = 0; d < dp_; ++d) {
-        for (int32_t t = 0; t < tp_; ++t) {
-          std::vector<int32_t> world_ranks;
-          for (int32_t r : ranks) world_ranks.push_back(WorldRank(d, r, t));
-          cai_comm_group* g = nullptr;
-          Check(Host().comm->new_group(world_ranks.data(), world_ranks.size(), &g));
-          groups_.push_back(g);
-          if (!g) continue;
-          mine.group = g;
-          mine.params = params;
-          mine.holder = static_cast<int32_t>(
-              std::find(ranks.begin(), ranks.end(), holder[params.front()]) - ranks.begin());
+        for (int32_t s = 0; s < sp_; ++s) {
+          for (int32_t t = 0; t < tp_; ++t) {
+            std::vector<int32_t> world_ranks;
+            for (int32_t r : ranks) world_ranks.push_back(WorldRank(d, r, s, t));
+            cai_comm_group* g = nullptr;
+            Check(Host().comm->new_group(world_ranks.data(), world_ranks.size(), &g));
+            groups_.push_back(g);
+            if (!g) continue;
+            mine.group = g;
+            mine.params = params;
+            mine.holder = static_cast<int32_t>(
+                std::find(ranks.begin(), ranks.end(), holder[params.front()]) - ranks.begin());
+          }
         }
       }
       if (mine.group) shared_.push_back(std::move(mine));
@@ -1003,7 +1082,7 @@ class HybridParallel {
   // [B, T/tp, hidden] under sequence parallelism (this rank's part of the sequence).
   void BoundaryShape(const cai_tensor& tokens, int64_t shape[3]) const {
     shape[0] = tokens.shape[0];
-    shape[1] = sequence_parallel_ ? tokens.shape[1] / tp_ : tokens.shape[1];
+    shape[1] = sequence_parallel_ ? tokens.shape[1] / tp_ : tokens.shape[1] / sp_;
     shape[2] = hidden_;
   }
   static int64_t Elements(const int64_t* shape) { return shape[0] * shape[1] * shape[2]; }
@@ -1188,10 +1267,12 @@ class HybridParallel {
 
   // Configuration.
   const int32_t world_rank_, world_;
-  int32_t tp_ = 1, pp_ = 1, dp_ = 1, tp_rank_ = 0, pp_rank_ = 0, dp_rank_ = 0;
+  int32_t tp_ = 1, pp_ = 1, dp_ = 1, sp_ = 1, tp_rank_ = 0, pp_rank_ = 0, dp_rank_ = 0,
+          sp_rank_ = 0;
   bool parallel_output_ = true;
-  bool sequence_parallel_ = false;
-  uint64_t kernels_ = 0;  // CAI_MODEL_KERNEL_*
+  bool sequence_parallel_ = false;  // split_gather
+  bool ulysses_ = false;            // all_to_all
+  uint64_t kernels_ = 0;            // CAI_MODEL_KERNEL_*
   std::string ckpt_layers_text_;
   double ckpt_ratio_ = 0;
   int64_t vocab_divisible_by_ = 64;
@@ -1221,6 +1302,7 @@ class HybridParallel {
   std::vector<Shared> shared_;
   std::vector<cai_comm_group*> groups_;  // every group this rank created (NULL: not a member)
   cai_comm_group* tp_group_ = nullptr;
+  cai_comm_group* sp_group_ = nullptr;  // all_to_all
   cai_comm_group* pp_group_ = nullptr;
   cai_comm_group* dp_group_ = nullptr;
   std::optional<sdk::DataParallelReplica> replica_;  // zero_stage 0

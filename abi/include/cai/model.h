@@ -227,6 +227,37 @@ typedef struct cai_tensor_parallel_args {
 #define CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE \
   CAI_STRUCT_SIZE(cai_tensor_parallel_args, gather_output)
 
+/* Sequence parallelism over a group of its own (since 1.3, zoo models), apply_sequence_parallel.
+ * Every rank of the group calls forward/backward on the same tokens and targets [B, T], T a
+ * multiple of the group's size; each runs the embedding, the blocks and the head on its
+ * T/size consecutive positions [rank·T/size, (rank + 1)·T/size), so units between the
+ * embedding and the head take and return [B, T/size, hidden] (what a pipeline sends between
+ * stages). Position embeddings and RoPE take the shard's offset.
+ *  ALL_TO_ALL: DeepSpeed-Ulysses (Jacobs et al. 2023). Around each attention an all-to-all
+ *    turns q, k, v from [all heads, T/size positions] into [heads/size, all T positions] and
+ *    another turns the output back, so attention sees the whole sequence for 1/size of the
+ *    heads. Per block and micro-batch a rank hands 4·B·(T/size)·(q + kv) elements to
+ *    all-to-alls, forward and backward together (q, kv: the widths of its query and of its
+ *    key or value projection; a recomputed block runs its forward's two again). The heads
+ *    and key/value heads (per tensor-parallel rank) must divide by size.
+ * The loss is the whole micro-batch's mean on every rank (a 2-float all-reduce of the shards'
+ * sums and target counts), but each rank back-propagates only its shard's part of it: a
+ * parameter's gradient on one rank is partial, and its SUM over the group is the gradient.
+ * A strategy therefore reduces gradients over data parallelism × this group as it does over
+ * data parallelism alone (summing the replicas' loss_weight-scaled gradients), as ColossalAI's
+ * ZeRO does over dp × sp. */
+typedef enum cai_sequence_parallel_mode {
+  CAI_SEQUENCE_PARALLEL_ALL_TO_ALL = 1
+} cai_sequence_parallel_mode;
+
+typedef struct cai_sequence_parallel_args {
+  size_t struct_size;
+  cai_extension_base* extension_start;
+  struct cai_comm_group* group;
+  int32_t mode; /* cai_sequence_parallel_mode */
+} cai_sequence_parallel_args;
+#define CAI_SEQUENCE_PARALLEL_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_sequence_parallel_args, mode)
+
 typedef struct cai_model_api {
   size_t struct_size;
   cai_extension_base* extension_start;
@@ -311,8 +342,15 @@ typedef struct cai_model_api {
    * forward is recomputed in backward. set_activation_checkpointing sets every block at once.
    * INVALID_ARGUMENT for another kind of unit. */
   cai_status* (*set_unit_checkpointing)(cai_model* model, uint32_t unit, bool enabled);
+  /* 1.3. Sequence parallelism (see cai_sequence_parallel_args) over `group`. Collective over
+   * the group; once per model, after apply_tensor_parallel if any (INVALID_ARGUMENT with
+   * tensor parallelism's sequence_parallel, whose sequence split it would repeat), before any
+   * storage is replaced or released. INVALID_ARGUMENT when the group's size does not divide
+   * the (per tensor-parallel rank) heads or key/value heads, and, at forward, the sequence
+   * length; UNIMPLEMENTED for TorchScript models and for modes other than ALL_TO_ALL. */
+  cai_status* (*apply_sequence_parallel)(cai_model* model, const cai_sequence_parallel_args* args);
 } cai_model_api;
-#define CAI_MODEL_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_model_api, set_unit_checkpointing)
+#define CAI_MODEL_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_model_api, apply_sequence_parallel)
 
 /* enable_kernels (1.3). */
 /* Causal attention tiled over query and key blocks with an online softmax: O(T·d) memory per

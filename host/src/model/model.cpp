@@ -130,6 +130,13 @@ void Network::ApplyTensorParallel(TensorParallelGroup, const TensorParallelOptio
                   "(model.kind = \"gpt2\" or \"llama\")");
 }
 
+void Network::ApplySequenceParallel(TensorParallelGroup) {
+  throw Error(CAI_UNIMPLEMENTED,
+              "apply_sequence_parallel: this model (" + Describe() +
+                  ") has no sequence to split between its layers: sequence parallelism needs a "
+                  "zoo model (model.kind = \"gpt2\" or \"llama\")");
+}
+
 void Network::EnableKernels(uint64_t kernels) {
   if (kernels == 0) return;
   throw Error(CAI_UNIMPLEMENTED, "enable_kernels: this model (" + Describe() +
@@ -406,7 +413,7 @@ struct Model::Impl {
   torch::Tensor Loss(const torch::Tensor& logits, const cai_tensor* targets) {
     AllocationSite site("the loss (cross-entropy over the logits)");
     if (targets == nullptr) Fail(CAI_INVALID_ARGUMENT, "targets is NULL");
-    torch::Tensor t = Tokens(*targets, "targets");
+    torch::Tensor t = net->LocalTargets(Tokens(*targets, "targets"));
     if (t.sizes() != logits.sizes().slice(0, 2)) {
       Fail(CAI_INVALID_ARGUMENT, "targets must have the tokens' shape [batch, seq]");
     }
@@ -956,15 +963,47 @@ void Model::SetUnitCheckpointing(uint32_t unit, bool enabled) {
 
 void Model::EnableKernels(uint64_t kernels) { impl_->net->EnableKernels(kernels); }
 
+namespace {
+
+// `group` of the host's communicator as the collectives a network calls; `what` names the call
+// in errors. Fails unless every parameter still has the storage the model gave it.
+TensorParallelGroup NetworkGroup(const Model::Impl& m, cai_comm_group* group,
+                                 const std::string& what);
+
+}  // namespace
+
 void Model::ApplyTensorParallel(cai_comm_group* group, const TensorParallelOptions& options) {
   Impl& m = *impl_;
+  TensorParallelGroup g = NetworkGroup(m, group, "apply_tensor_parallel");
+  for (Impl::Param& p : m.params) p.spec->tensor.mutable_grad().reset();
+  m.net->ApplyTensorParallel(std::move(g), options);
+  for (Impl::Unit& u : m.units) u.numel = 0;
+  for (Impl::Param& p : m.params) {
+    p.shape = p.spec->tensor.sizes().vec();
+    if (p.spec->unit >= 0) m.units[p.spec->unit].numel += p.spec->tensor.numel();
+  }
+}
+
+void Model::ApplySequenceParallel(cai_comm_group* group, int32_t mode) {
+  if (mode != CAI_SEQUENCE_PARALLEL_ALL_TO_ALL) {
+    Fail(CAI_UNIMPLEMENTED, "apply_sequence_parallel: mode " + std::to_string(mode) +
+                                " is not in this version; CAI_SEQUENCE_PARALLEL_ALL_TO_ALL "
+                                "(DeepSpeed-Ulysses) is");
+  }
+  impl_->net->ApplySequenceParallel(NetworkGroup(*impl_, group, "apply_sequence_parallel"));
+}
+
+namespace {
+
+TensorParallelGroup NetworkGroup(const Model::Impl& m, cai_comm_group* group,
+                                 const std::string& what) {
   for (uint32_t i = 0; i < m.params.size(); ++i) {
-    const Impl::Param& p = m.params[i];
+    const Model::Impl::Param& p = m.params[i];
     if (p.released || p.foreign_data || p.foreign_grad) {
-      Fail(CAI_FAILED_PRECONDITION, "apply_tensor_parallel: " + m.ParamName(i) +
-                                        " has had its storage released or replaced; apply "
-                                        "tensor parallelism first, before a strategy takes the "
-                                        "parameters over");
+      Fail(CAI_FAILED_PRECONDITION, what + ": " + m.ParamName(i) +
+                                        " has had its storage released or replaced; split the "
+                                        "model first, before a strategy takes the parameters "
+                                        "over");
     }
   }
   const cai_comm_api* comm = CommApi();
@@ -972,9 +1011,9 @@ void Model::ApplyTensorParallel(cai_comm_group* group, const TensorParallelOptio
   g.rank = comm->rank(group);
   g.size = comm->size(group);
   if (g.rank < 0 || g.size < 1) {
-    Fail(CAI_FAILED_PRECONDITION,
-         "apply_tensor_parallel: this rank is not in the group (or the communicator is not "
-         "initialised)");
+    Fail(CAI_FAILED_PRECONDITION, what +
+                                      ": this rank is not in the group (or the communicator is "
+                                      "not initialised)");
   }
   auto run = [comm, group](cai_comm_op op, cai_reduce_op reduce, const torch::Tensor* in,
                            const torch::Tensor& out) {
@@ -999,14 +1038,13 @@ void Model::ApplyTensorParallel(cai_comm_group* group, const TensorParallelOptio
   g.reduce_scatter = [run](const torch::Tensor& in, const torch::Tensor& out) {
     run(CAI_COMM_REDUCE_SCATTER, CAI_REDUCE_SUM, &in, out);
   };
-  for (Impl::Param& p : m.params) p.spec->tensor.mutable_grad().reset();
-  m.net->ApplyTensorParallel(std::move(g), options);
-  for (Impl::Unit& u : m.units) u.numel = 0;
-  for (Impl::Param& p : m.params) {
-    p.shape = p.spec->tensor.sizes().vec();
-    if (p.spec->unit >= 0) m.units[p.spec->unit].numel += p.spec->tensor.numel();
-  }
+  g.all_to_all = [run](const torch::Tensor& in, const torch::Tensor& out) {
+    run(CAI_COMM_ALL_TO_ALL, CAI_REDUCE_SUM, &in, out);
+  };
+  return g;
 }
+
+}  // namespace
 
 uint64_t Model::ChargeOwnStorage() {
   uint64_t charged = 0;

@@ -196,6 +196,9 @@ class Model {
   // Tensor parallelism over `group` (a communicator group; NULL = the world), as
   // cai_model_api.apply_tensor_parallel documents. Collective over the group.
   void ApplyTensorParallel(cai_comm_group* group, const TensorParallelOptions& options);
+  // Sequence parallelism over `group` in `mode` (cai_sequence_parallel_mode), as
+  // cai_model_api.apply_sequence_parallel documents. Collective over the group.
+  void ApplySequenceParallel(cai_comm_group* group, int32_t mode);
   // Charges to the device budget (ChargeExistingBlock) the storage the model still owns: its
   // buffers and the parameters no strategy released or pointed elsewhere. For a model built
   // in host memory (model.init_device = "host"): what the strategy left in the model moves

@@ -235,6 +235,15 @@ cai_status* ApplyTensorParallel(cai_model* model, const cai_tensor_parallel_args
   });
 }
 
+cai_status* ApplySequenceParallel(cai_model* model, const cai_sequence_parallel_args* args) {
+  return Guard([&] {
+    Model* m = Get(model, "apply_sequence_parallel");
+    RequireStructSize(args, CAI_SEQUENCE_PARALLEL_ARGS_STRUCT_SIZE,
+                      "apply_sequence_parallel: args");
+    m->ApplySequenceParallel(args->group, args->mode);
+  });
+}
+
 cai_status* EnableKernels(cai_model* model, uint64_t kernels) {
   return Guard([&] { Get(model, "enable_kernels")->EnableKernels(kernels); });
 }
@@ -274,6 +283,7 @@ constexpr cai_model_api kModelApi = {
     SetBufferDtype,
     EnableKernels,
     SetUnitCheckpointing,
+    ApplySequenceParallel,
 };
 
 }  // namespace

@@ -34,8 +34,8 @@ struct ParamSpec {
   int64_t tp_padded = 0;
 };
 
-// The group a network's tensor-parallel forward and backward reduce over. The functions
-// block; every rank of the group calls them in the same order.
+// The group a network's tensor- or sequence-parallel forward and backward communicate over.
+// The functions block; every rank of the group calls them in the same order.
 struct TensorParallelGroup {
   int32_t rank = 0, size = 1;
   // In place over a contiguous tensor.
@@ -45,6 +45,9 @@ struct TensorParallelGroup {
   // `out` (contiguous) receives the sum over the ranks of the rank-th of `in`'s `size` equal
   // parts (contiguous, size × out's elements).
   std::function<void(const torch::Tensor& in, const torch::Tensor& out)> reduce_scatter;
+  // `out` (contiguous, as `in`) receives rank i's i-th of `in`'s `size` equal parts as its
+  // i-th part.
+  std::function<void(const torch::Tensor& in, const torch::Tensor& out)> all_to_all;
 };
 
 struct UnitSpec {
@@ -69,6 +72,13 @@ class Network {
   // Forward and CrossEntropy run tensor-parallel over `group`. Networks without the structure
   // (TorchScript) refuse.
   virtual void ApplyTensorParallel(TensorParallelGroup group, const TensorParallelOptions& options);
+  // DeepSpeed-Ulysses over `group` (cai_sequence_parallel_args): each rank runs its shard of
+  // the sequence and attention all-to-alls heads against positions. Networks without the
+  // structure (TorchScript) refuse.
+  virtual void ApplySequenceParallel(TensorParallelGroup group);
+  // The targets [B, T] of what this rank's last unit computes: its shard under sequence
+  // parallelism, all of them otherwise.
+  virtual torch::Tensor LocalTargets(const torch::Tensor& targets) const { return targets; }
   // Mean cross-entropy of logits [N, V'] (what the last unit returned, flattened) against
   // targets [N], skipping `ignore_index`, in fp32.
   virtual torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,

@@ -202,6 +202,46 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
   }
 };
 
+// Ulysses' two all-to-alls over [B, heads, positions, D]. Sequence to heads: this rank's
+// positions of every head -> every rank's positions (in rank order) of this rank's 1/size of
+// the heads. Heads to sequence is its inverse; each is the other's backward.
+torch::Tensor AllToAllSequenceToHeads(const torch::Tensor& x, const TensorParallelGroup& g) {
+  const int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
+  torch::Tensor in = x.reshape({b, g.size, h / g.size, t, d}).transpose(0, 1).contiguous();
+  torch::Tensor out = torch::empty_like(in);
+  g.all_to_all(in, out);  // out[i]: rank i's positions of this rank's heads
+  return out.permute({1, 2, 0, 3, 4}).reshape({b, h / g.size, g.size * t, d});
+}
+
+torch::Tensor AllToAllHeadsToSequence(const torch::Tensor& x, const TensorParallelGroup& g) {
+  const int64_t b = x.size(0), h = x.size(1), t = x.size(2) / g.size, d = x.size(3);
+  torch::Tensor in = x.reshape({b, h, g.size, t, d}).permute({2, 0, 1, 3, 4}).contiguous();
+  torch::Tensor out = torch::empty_like(in);
+  g.all_to_all(in, out);  // out[i]: rank i's heads at this rank's positions
+  // Laid out [B, t, H, D] underneath, so that merging the heads after it is a view.
+  return out.permute({1, 3, 0, 2, 4}).reshape({b, t, g.size * h, d}).transpose(1, 2);
+}
+
+struct SequenceToHeadsFn : torch::autograd::Function<SequenceToHeadsFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return AllToAllSequenceToHeads(x, GroupOf(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {AllToAllHeadsToSequence(grads[0], GroupOf(ctx)), torch::Tensor()};
+  }
+};
+
+struct HeadsToSequenceFn : torch::autograd::Function<HeadsToSequenceFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return AllToAllHeadsToSequence(x, GroupOf(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {AllToAllSequenceToHeads(grads[0], GroupOf(ctx)), torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 torch::Tensor CopyToGroup(const torch::Tensor& x, const TensorParallelGroup& group) {
@@ -215,6 +255,28 @@ torch::Tensor GatherLastDim(const torch::Tensor& x, const TensorParallelGroup& g
 }
 torch::Tensor ScatterSequence(const torch::Tensor& x, const TensorParallelGroup& group) {
   return ScatterSeq::apply(x, Handle(group));
+}
+torch::Tensor SequenceToHeads(const torch::Tensor& x, const TensorParallelGroup& group) {
+  return SequenceToHeadsFn::apply(x, Handle(group));
+}
+torch::Tensor HeadsToSequence(const torch::Tensor& x, const TensorParallelGroup& group) {
+  return HeadsToSequenceFn::apply(x, Handle(group));
+}
+
+torch::Tensor SequenceShardLoss(const torch::Tensor& mean, const torch::Tensor& targets,
+                                int64_t ignore, const TensorParallelGroup& group) {
+  const int64_t counted = targets.ne(ignore).sum().item<int64_t>();
+  // An all-ignored shard's mean is 0/0: it adds nothing, but stays in the graph.
+  const torch::Tensor sum = counted > 0 ? mean * double(counted) : mean.nan_to_num(0) * 0;
+  torch::Tensor totals = torch::stack({sum.detach().to(torch::kFloat),
+                                       torch::scalar_tensor(double(counted), torch::kFloat)})
+                             .contiguous();
+  group.all_reduce(totals, CAI_REDUCE_SUM);
+  const double whole = totals[1].item<double>();
+  // Value: the micro-batch's mean over every shard. Gradient: this shard's share of it, so
+  // that the ranks' gradients sum to the gradient, as data-parallel replicas' weighted ones do.
+  const torch::Tensor share = sum / whole;
+  return share - share.detach() + totals[0] / whole;
 }
 std::vector<torch::Tensor> GatheredLinears(const torch::Tensor& x,
                                            const std::vector<torch::Tensor>& weights,

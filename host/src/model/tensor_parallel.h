@@ -40,6 +40,16 @@ std::vector<torch::Tensor> GatheredLinears(const torch::Tensor& x,
                                            const std::vector<torch::Tensor>& weights,
                                            const std::vector<torch::Tensor>& biases,
                                            const TensorParallelGroup& group);
+// DeepSpeed-Ulysses (Jacobs et al. 2023) over the sequence-parallel group: [B, H, T/size, D],
+// this rank's positions of every head, to [B, H/size, T, D], the whole sequence of this rank's
+// heads [rank·H/size, (rank + 1)·H/size); and back. Each one all-to-all, backward the other.
+torch::Tensor SequenceToHeads(const torch::Tensor& x, const TensorParallelGroup& group);
+torch::Tensor HeadsToSequence(const torch::Tensor& x, const TensorParallelGroup& group);
+// The loss of a sequence shard under Ulysses: `mean`, this rank's mean cross-entropy over its
+// `targets` other than `ignore`, becomes the whole micro-batch's mean (the shards' sums and
+// counts all-reduced, 2 floats), with the gradient of this shard's part of it.
+torch::Tensor SequenceShardLoss(const torch::Tensor& mean, const torch::Tensor& targets,
+                                int64_t ignore, const TensorParallelGroup& group);
 // Cross-entropy over vocabulary-parallel fp32 logits [N, part] holding the vocabulary's columns
 // [start, start + part): the maxima, the softmax denominators and the targets' logits are
 // all-reduced (3·N floats), so no rank holds the whole logits. Mean over targets other than

@@ -133,12 +133,13 @@ class ZooNetwork : public Network {
       throw Error(CAI_FAILED_PRECONDITION,
                   "apply_tensor_parallel: tensor parallelism is already applied to this model");
     }
-    const int64_t n = group.size;
-    if (n < 1 || group.rank < 0 || group.rank >= n) {
-      throw Error(CAI_INVALID_ARGUMENT, "apply_tensor_parallel: rank " +
-                                            std::to_string(group.rank) + " of a group of " +
-                                            std::to_string(n));
+    if (sp_.size > 1) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "apply_tensor_parallel: sequence parallelism is already applied to this "
+                  "model; apply tensor parallelism first, which divides the heads Ulysses "
+                  "divides again");
     }
+    const int64_t n = CheckedSize(group, "apply_tensor_parallel");
     auto divides = [&](int64_t value, const std::string& what) {
       if (value % n != 0) {
         throw Error(CAI_INVALID_ARGUMENT, "apply_tensor_parallel: a tensor-parallel group of " +
@@ -167,8 +168,62 @@ class ZooNetwork : public Network {
     tp_ = std::move(group);
   }
 
+  void ApplySequenceParallel(TensorParallelGroup group) override {
+    if (sp_.size > 1) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "apply_sequence_parallel: sequence parallelism is already applied to this "
+                  "model");
+    }
+    if (sequence_parallel_) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "apply_sequence_parallel: tensor parallelism's sequence_parallel "
+                  "(split_gather) already splits the sequence; use one of the two");
+    }
+    const int64_t n = CheckedSize(group, "apply_sequence_parallel");
+    const std::string per_rank = tp_.size > 1 ? " per tensor-parallel rank" : "";
+    for (const auto& [value, what] : {std::pair{heads_, "attention heads (n_head"},
+                                      std::pair{kv_heads_, "key/value heads (n_kv_head"}}) {
+      if (value % n != 0) {
+        throw Error(CAI_INVALID_ARGUMENT,
+                    "apply_sequence_parallel: Ulysses gives each of the " + std::to_string(n) +
+                        " ranks of the sequence-parallel group an equal share of the " + what +
+                        (tp_.size > 1 ? " / tp" : "") + ": " + std::to_string(value) + per_rank +
+                        "); choose an sp size that divides it");
+      }
+    }
+    sp_ = std::move(group);
+  }
+
+  torch::Tensor LocalTargets(const torch::Tensor& targets) const override {
+    return SequenceShard(targets);
+  }
+
   torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
                              int64_t ignore_index) const override {
+    const torch::Tensor mean = VocabCrossEntropy(logits, targets, ignore_index);
+    return sp_.size > 1 ? tp::SequenceShardLoss(mean, targets, ignore_index, sp_) : mean;
+  }
+
+ protected:
+  explicit ZooNetwork(const ModelConfig& c) : c_(c) {
+    vocab_size = c.vocab_size;
+    n_ctx = c.n_ctx;
+  }
+  torch::Tensor Wb(uint32_t index) const { return index == kNone ? torch::Tensor() : W(index); }
+
+  bool Has(uint64_t kernel) const { return (kernels_ & kernel) != 0; }
+
+  static int64_t CheckedSize(const TensorParallelGroup& group, const char* what) {
+    if (group.size < 1 || group.rank < 0 || group.rank >= group.size) {
+      throw Error(CAI_INVALID_ARGUMENT, std::string(what) + ": rank " + std::to_string(group.rank) +
+                                            " of a group of " + std::to_string(group.size));
+    }
+    return group.size;
+  }
+
+  // The mean cross-entropy of this rank's logits, over the vocabulary's tensor-parallel split.
+  torch::Tensor VocabCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
+                                  int64_t ignore_index) const {
     if (tp_.size == 1) return Network::CrossEntropy(logits, targets, ignore_index);
     const torch::Tensor local = logits.to(torch::kFloat);
     if (gather_output_) {
@@ -181,14 +236,53 @@ class ZooNetwork : public Network {
                                          ignore_index);
   }
 
- protected:
-  explicit ZooNetwork(const ModelConfig& c) : c_(c) {
-    vocab_size = c.vocab_size;
-    n_ctx = c.n_ctx;
+  // Under Ulysses, this rank's consecutive positions of [B, T, ...]; all of them otherwise.
+  torch::Tensor SequenceShard(const torch::Tensor& x) const {
+    if (sp_.size == 1) return x;
+    const int64_t t = x.size(1);
+    if (t % sp_.size != 0) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "sequence parallelism (all_to_all) gives each of the " +
+                      std::to_string(sp_.size) +
+                      " ranks of the sequence-parallel group an equal shard of the sequence: "
+                      "its length (" +
+                      std::to_string(t) +
+                      ") must divide by sp_size; choose train.seq_len a "
+                      "multiple of it");
+    }
+    const int64_t part = t / sp_.size;
+    return x.slice(1, sp_.rank * part, (sp_.rank + 1) * part);
   }
-  torch::Tensor Wb(uint32_t index) const { return index == kNone ? torch::Tensor() : W(index); }
+  // Where this rank's positions start in the sequence.
+  int64_t SequenceOffset(int64_t local_length) const { return sp_.rank * local_length; }
 
-  bool Has(uint64_t kernel) const { return (kernels_ & kernel) != 0; }
+  // Causal attention of q [B, Hq, t, D] over k, v [B, Hkv, t, D] (this rank's heads), merged
+  // to [B, t, Hq·D]. Under Ulysses t is this rank's shard of the positions: one all-to-all
+  // takes q, k, v packed to every position of 1/sp of the heads (key/value heads going with
+  // their queries' share), and one brings the output back.
+  torch::Tensor Attend(torch::Tensor q, torch::Tensor k, torch::Tensor v) const {
+    const int64_t hq = q.size(1), hkv = k.size(1);
+    if (sp_.size > 1) {
+      const int64_t s = sp_.size, b = q.size(0), t = q.size(2), d = q.size(3);
+      auto per_rank = [&](const torch::Tensor& x) {
+        return x.reshape({b, s, x.size(1) / s, t, d});
+      };
+      const torch::Tensor packed =
+          torch::cat({per_rank(q), per_rank(k), per_rank(v)}, 2).reshape({b, -1, t, d});
+      const std::vector<torch::Tensor> parts =
+          tp::SequenceToHeads(packed, sp_).split({hq / s, hkv / s, hkv / s}, 1);
+      q = parts[0];
+      k = parts[1];
+      v = parts[2];
+    }
+    const int64_t group = hq / hkv;
+    if (group > 1) {
+      k = k.repeat_interleave(group, 1);
+      v = v.repeat_interleave(group, 1);
+    }
+    torch::Tensor out = Attention(q, k, v);
+    return MergeHeads(sp_.size > 1 ? tp::HeadsToSequence(out, sp_) : out);
+  }
   torch::Tensor Attention(const torch::Tensor& q, const torch::Tensor& k,
                           const torch::Tensor& v) const {
     return Has(CAI_MODEL_KERNEL_MEMORY_EFFICIENT_ATTENTION)
@@ -271,6 +365,7 @@ class ZooNetwork : public Network {
   int64_t padded_vocab_ = 0;
   bool gather_output_ = false;
   bool sequence_parallel_ = false;
+  TensorParallelGroup sp_;  // Ulysses' group (size 1: none)
 };
 
 // GPT-2 (Radford et al. 2019) as nanoGPT writes it: learned positions, pre-LayerNorm blocks,
@@ -314,21 +409,22 @@ class Gpt2 final : public ZooNetwork {
 
   torch::Tensor Forward(size_t unit, const torch::Tensor& x) const override {
     if (unit == 0) {
-      const int64_t t = x.size(1);
-      torch::Tensor positions = W(wpe_).slice(0, 0, t);
+      const torch::Tensor tokens = SequenceShard(x);
+      const int64_t t = tokens.size(1), start = SequenceOffset(t);
+      torch::Tensor positions = W(wpe_).slice(0, start, start + t);
       if (sequence_parallel_) {  // this rank's rows [rank·t/size, (rank + 1)·t/size)
         const int64_t part = t / tp_.size;
         positions =
             tp::CopyToGroup(positions, tp_).slice(0, tp_.rank * part, (tp_.rank + 1) * part);
       }
-      return Embed(wte_, x) + positions;
+      return Embed(wte_, tokens) + positions;
     }
     if (unit == size_t(Head())) return Column(LayerNorm(x, lnf_w_, lnf_b_), {{wte_, kNone}})[0];
     const Layer& y = layers_[unit - 1];
     torch::Tensor qkv = Column(LayerNorm(x, y.ln1_w, y.ln1_b), {{y.qkv_w, y.qkv_b}})[0];
     std::vector<torch::Tensor> parts = qkv.chunk(3, -1);
-    torch::Tensor att = MergeHeads(Attention(
-        SplitHeads(parts[0], heads_), SplitHeads(parts[1], heads_), SplitHeads(parts[2], heads_)));
+    torch::Tensor att = Attend(SplitHeads(parts[0], heads_), SplitHeads(parts[1], heads_),
+                               SplitHeads(parts[2], heads_));
     torch::Tensor h = x + RowLinear(att, y.proj_w, y.proj_b);
     const torch::Tensor m = LayerNorm(h, y.ln2_w, y.ln2_b);
     const torch::Tensor up =
@@ -404,23 +500,20 @@ class Llama final : public ZooNetwork {
   }
 
   torch::Tensor Forward(size_t unit, const torch::Tensor& x) const override {
-    if (unit == 0) return Embed(embed_, x);
+    if (unit == 0) return Embed(embed_, SequenceShard(x));
     if (unit == size_t(Head())) return Column(RmsNorm(x, norm_), {{lm_head_, kNone}})[0];
     const Layer& y = layers_[unit - 1];
     const std::vector<torch::Tensor> qkv =
         Column(RmsNorm(x, y.attn_norm), {{y.q_w, y.q_b}, {y.k_w, y.k_b}, {y.v_w, y.v_b}});
-    const int64_t t = qkv[0].size(1);  // the whole sequence, also under sequence parallelism
-    torch::Tensor cos = cos_.slice(0, 0, t).to(x.device(), x.scalar_type());
-    torch::Tensor sin = sin_.slice(0, 0, t).to(x.device(), x.scalar_type());
-    torch::Tensor q = Rotate(SplitHeads(qkv[0], heads_), cos, sin);
-    torch::Tensor k = Rotate(SplitHeads(qkv[1], kv_heads_), cos, sin);
-    torch::Tensor v = SplitHeads(qkv[2], kv_heads_);
-    const int64_t group = heads_ / kv_heads_;
-    if (group > 1) {
-      k = k.repeat_interleave(group, 1);
-      v = v.repeat_interleave(group, 1);
-    }
-    torch::Tensor h = x + RowLinear(MergeHeads(Attention(q, k, v)), y.o_w, y.o_b);
+    // The whole sequence under split_gather (the projections gathered it), this rank's shard
+    // of it under Ulysses, rotated at its positions before the all-to-all.
+    const int64_t t = qkv[0].size(1), start = SequenceOffset(t);
+    torch::Tensor cos = cos_.slice(0, start, start + t).to(x.device(), x.scalar_type());
+    torch::Tensor sin = sin_.slice(0, start, start + t).to(x.device(), x.scalar_type());
+    torch::Tensor h = x + RowLinear(Attend(Rotate(SplitHeads(qkv[0], heads_), cos, sin),
+                                           Rotate(SplitHeads(qkv[1], kv_heads_), cos, sin),
+                                           SplitHeads(qkv[2], kv_heads_)),
+                                    y.o_w, y.o_b);
     const std::vector<torch::Tensor> gate_up =
         Column(RmsNorm(h, y.mlp_norm), {{y.gate_w, y.gate_b}, {y.up_w, y.up_b}});
     const torch::Tensor &gate = gate_up[0], &up = gate_up[1];

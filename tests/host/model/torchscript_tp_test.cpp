@@ -5,17 +5,15 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
-#include <barrier>
-#include <exception>
 #include <filesystem>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "core/status.h"
 #include "model/network.h"
 #include "model/tensor_parallel.h"
 #include "script_gpt.h"
+#include "thread_group.h"
 
 namespace cai {
 namespace {
@@ -23,6 +21,7 @@ namespace {
 using testing::kScriptGptPolicy;
 using testing::SaveScriptGpt;
 using testing::ScriptGptShape;
+using testing::ThreadGroup;
 using testing::WriteText;
 
 std::string TempPath(const std::string& name) {
@@ -30,41 +29,6 @@ std::string TempPath(const std::string& name) {
           ("cai_torchscript_tp_" + std::to_string(::getpid())) / name)
       .string();
 }
-
-// `n` ranks as threads: every collective copies each rank's tensor into a slot and combines
-// the slots in rank order, so all ranks compute the same bits.
-class ThreadGroup {
- public:
-  explicit ThreadGroup(int n) : n_(n), barrier_(n), slots_(n) {}
-
-  TensorParallelGroup Rank(int r) {
-    TensorParallelGroup g;
-    g.rank = r;
-    g.size = n_;
-    g.all_reduce = [this, r](const torch::Tensor& t, cai_reduce_op op) {
-      slots_[r] = t.clone();
-      barrier_.arrive_and_wait();
-      torch::Tensor acc = slots_[0].clone();
-      for (int i = 1; i < n_; ++i) {
-        acc = op == CAI_REDUCE_MAX ? torch::maximum(acc, slots_[i]) : acc + slots_[i];
-      }
-      barrier_.arrive_and_wait();
-      t.copy_(acc);
-    };
-    g.all_gather = [this, r](const torch::Tensor& in, const torch::Tensor& out) {
-      slots_[r] = in.reshape(-1).clone();
-      barrier_.arrive_and_wait();
-      out.view({n_, -1}).copy_(torch::stack(slots_));
-      barrier_.arrive_and_wait();
-    };
-    return g;
-  }
-
- private:
-  int n_;
-  std::barrier<> barrier_;
-  std::vector<torch::Tensor> slots_;
-};
 
 struct Step {
   double loss = 0;
@@ -131,24 +95,12 @@ TEST_F(TorchScriptTp, PolicySplitsLikeTheUnsplitModel) {
   for (int n : {2, 4}) {
     ThreadGroup group(n);
     std::vector<Step> steps(n);
-    std::vector<std::exception_ptr> errors(n);
     std::vector<std::unique_ptr<Network>> nets(n);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      nets[r] = LoadTorchScriptNetwork(model_, policy_);
-      threads.emplace_back([&, r] {
-        try {
-          nets[r]->ApplyTensorParallel(group.Rank(r), {});
-          steps[r] = TrainStep(*nets[r], tokens, targets);
-        } catch (...) {
-          errors[r] = std::current_exception();
-        }
-      });
-    }
-    for (std::thread& t : threads) t.join();
-    for (const std::exception_ptr& e : errors) {
-      if (e) std::rethrow_exception(e);
-    }
+    for (int r = 0; r < n; ++r) nets[r] = LoadTorchScriptNetwork(model_, policy_);
+    testing::RunOnThreads(n, [&](int r) {
+      nets[r]->ApplyTensorParallel(group.Rank(r), {});
+      steps[r] = TrainStep(*nets[r], tokens, targets);
+    });
     for (int r = 0; r < n; ++r) {
       SCOPED_TRACE("tp " + std::to_string(n) + " rank " + std::to_string(r));
       EXPECT_NEAR(steps[r].loss, ref.loss, 1e-5 * std::abs(ref.loss));

@@ -11,7 +11,8 @@ analytic (they count nothing).
 
 References: ddp -> torch-ddp (DistributedDataParallel); zero1, zero2, zero2-offload, fsdp ->
 torch-zero (DDP + ZeroRedundancyOptimizer: PyTorch 1.13's FullyShardedDataParallel needs CUDA);
-tp2 -> torch-tp (Megatron-LM's f/g written by hand: 1.13 has no tensor-parallel API).
+tp2 -> torch-tp (Megatron-LM's f/g written by hand: 1.13 has no tensor-parallel API);
+sp2 -> torch-ulysses (DeepSpeed-Ulysses' all-to-alls written over all_to_all_single).
 The peers are GPT-2 in fp32 only; for a Llama or bf16 job the candidates are compared with the
 first of --strategies instead, and the report says so.
 
@@ -57,6 +58,10 @@ STRATEGIES = {  # name: (plugin, its [plugin.<name>] table, PyTorch peer)
     # Megatron-LM tensor parallelism over both ranks (hybrid_parallel, tp_size 2: no data
     # parallelism, every rank runs the whole global batch on half of each block).
     "tp2": ("hybrid_parallel", "tp_size = 2\n", "torch-tp"),
+    # DeepSpeed-Ulysses over both ranks (hybrid_parallel, sp_size 2: every rank runs the whole
+    # global batch on half of each sequence, attention on all of it for half of the heads).
+    "sp2": ("hybrid_parallel", 'sp_size = 2\nenable_sequence_parallelism = true\n'
+            'sequence_parallelism_mode = "all_to_all"\n', "torch-ulysses"),
     # The reduce-scatter waited for in backward (before/after async_reduce_scatter).
     "fsdp-sync-rs": ("fsdp", 'sharding_strategy = "FULL_SHARD"\nasync_reduce_scatter = false\n',
                      "torch-zero"),
@@ -67,6 +72,12 @@ def megatron_bytes(job, psi):
     distributed cross-entropy."""
     tokens = job.global_batch * job.seq_len
     return 4 * ((4 * job.n_layer + 2) * tokens * job.n_embd + 3 * tokens)
+
+
+def ulysses_bytes(job, psi):
+    """fp32 bytes of Ulysses' all-to-alls per step on 2 ranks, 4·B·(T/2)·2e per block (q, k, v
+    packed and the output, each way), and DDP's all-reduce of the 4Ψ gradient bytes."""
+    return 4 * (4 * job.global_batch * job.seq_len // 2 * 2 * job.n_embd * job.n_layer) + 4 * psi
 
 
 # name: (script in bench/peers, bytes one rank hands to collectives per step as a function of
@@ -80,6 +91,9 @@ PEERS = {
                    "owner 4Ψ"),
     "torch-tp": ("tp_gpt2_torch.py", megatron_bytes,
                  "Megatron's f/g all-reduces, 4·((4L + 2)·B·T·e + 3·B·T) for the global batch"),
+    "torch-ulysses": ("ulysses_gpt2_torch.py", ulysses_bytes,
+                      "Ulysses' all-to-alls 4·4·B·(T/2)·2e·L for the global batch and DDP's "
+                      "4Ψ gradient all-reduce"),
 }
 
 # Global batch x seq_len is the same 2048 tokens a step for the larger sizes: enough work per

@@ -1,13 +1,15 @@
 #!/usr/bin/python3
 """Activation memory per rank against sequence length under libcai_hybrid_parallel's sequence
-parallelism (split_gather, over tp_size 2), tensor parallelism alone (tp_size 2) and one rank,
-and the longest sequence each would fit in a memory limit per rank, extrapolated.
+parallelism (split_gather over tp_size 2; all_to_all, DeepSpeed-Ulysses, over sp_size 2),
+tensor parallelism alone (tp_size 2) and one rank, and the longest sequence each would fit in
+a memory limit per rank, extrapolated.
 
 Memory: LibTorch's peak over the training steps (summary.json framework_step_peak_bytes, the
 largest rank's), which holds the activations and the step's temporaries; the parameters,
 gradients and optimizer state live in the strategy's buffers and are reported apart. The
 attention is the memory-efficient kernel (model.memory_efficient_attention), so nothing grows
-as T²: what is left grows linearly with T, and sequence parallelism divides all of it by tp.
+as T²: what is left grows linearly with T, and sequence parallelism divides all of it by tp
+(split_gather) or sp (all_to_all, whose attention holds every position for 1/sp of the heads).
 
 Longest sequence: the peak is a + b·T (fitted through the two longest lengths measured); the
 T where it reaches --limit-gib per rank is extrapolated, not run (the attention's compute grows
@@ -19,7 +21,8 @@ the all-gathers, reduce-scatters and the re-gather in backward cost against tens
 parallelism's all-reduces.
 
 usage: bench/sequence_bench.py BUILD_DIR [--lengths 1024,2048,4096,8192] [--limit-gib 10]
-                               [--speed-pairs 5] [--speed-len 1024] [job sizes of benchlib.py]
+                               [--modes "1 rank,sp 2 all_to_all"] [--speed-pairs 5]
+                               [--speed-len 1024] [job sizes of benchlib.py]
 """
 import argparse
 import tempfile
@@ -31,6 +34,8 @@ MODES = {
     "1 rank": (1, ""),
     "tp 2": (2, "tp_size = 2\n"),
     "tp 2 + split_gather": (2, "tp_size = 2\nenable_sequence_parallelism = true\n"),
+    "sp 2 all_to_all": (2, 'sp_size = 2\nenable_sequence_parallelism = true\n'
+                           'sequence_parallelism_mode = "all_to_all"\n'),
 }
 
 
@@ -72,12 +77,18 @@ def main():
     add_job_options(p, pairs=1)
     p.add_argument("--lengths", default="1024,2048,4096,8192")
     p.add_argument("--limit-gib", dest="limit_gib", type=float, default=10.0)
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated, of: " + ", ".join(MODES))
     p.add_argument("--speed-pairs", dest="speed_pairs", type=int, default=0)
     p.add_argument("--speed-len", dest="speed_len", type=int, default=1024)
     p.set_defaults(steps=2, global_batch=2, n_layer=2, n_embd=256, n_head=8, timeout=1800)
     args = p.parse_args()
     build = args.build.resolve()
     lengths = [int(t) for t in args.lengths.split(",") if t]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown {unknown}; choose from {list(MODES)}")
     mib = 2 ** 20
     blas = ""
     with tempfile.TemporaryDirectory(prefix="sequence_bench_") as tmp:
@@ -86,14 +97,16 @@ def main():
             print(f"GPT-2 n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head}, "
                   f"global batch {args.global_batch}, memory-efficient attention; LibTorch's "
                   f"peak over the steps per rank, MiB")
-            print(f"{'T':>6} " + " ".join(f"{m:>20}" for m in MODES) +
-                  f" {'split_gather/1 rank':>20}")
+            print(f"{'T':>6} " + " ".join(f"{m:>20}" for m in modes) +
+                  "".join(f" {m.split()[-1] + '/1 rank':>22}" for m in modes[1:]
+                          if "1 rank" in modes))
         for t in lengths:
             row = {}
-            for mode in MODES:
+            for mode in modes:
                 row[mode], blas = peak(build, args, Path(tmp), mode, t)
-            print(f"{t:>6} " + " ".join(f"{row[m] / mib:>20.1f}" for m in MODES) +
-                  f" {row['tp 2 + split_gather'] / row['1 rank']:>20.3f}", flush=True)
+            print(f"{t:>6} " + " ".join(f"{row[m] / mib:>20.1f}" for m in modes) +
+                  "".join(f" {row[m] / row['1 rank']:>22.3f}" for m in modes[1:]
+                          if "1 rank" in modes), flush=True)
             before, last = last, row
         if lengths:
             print(f"BLAS: {blas}")
@@ -104,7 +117,7 @@ def main():
         limit = args.limit_gib * 2 ** 30
         print(f"\nlongest sequence within {args.limit_gib:g} GiB of LibTorch's memory per rank "
               f"(a + b·T through T = {lengths[-2]} and {lengths[-1]}, extrapolated):")
-        for mode in MODES:
+        for mode in modes:
             slope = (last[mode] - before[mode]) / (lengths[-1] - lengths[-2])
             base = last[mode] - slope * lengths[-1]
             print(f"  {mode:>20}: {slope / 1024:.1f} KiB per token, T ≈ "

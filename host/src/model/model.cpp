@@ -968,34 +968,6 @@ namespace {
 // `group` of the host's communicator as the collectives a network calls; `what` names the call
 // in errors. Fails unless every parameter still has the storage the model gave it.
 TensorParallelGroup NetworkGroup(const Model::Impl& m, cai_comm_group* group,
-                                 const std::string& what);
-
-}  // namespace
-
-void Model::ApplyTensorParallel(cai_comm_group* group, const TensorParallelOptions& options) {
-  Impl& m = *impl_;
-  TensorParallelGroup g = NetworkGroup(m, group, "apply_tensor_parallel");
-  for (Impl::Param& p : m.params) p.spec->tensor.mutable_grad().reset();
-  m.net->ApplyTensorParallel(std::move(g), options);
-  for (Impl::Unit& u : m.units) u.numel = 0;
-  for (Impl::Param& p : m.params) {
-    p.shape = p.spec->tensor.sizes().vec();
-    if (p.spec->unit >= 0) m.units[p.spec->unit].numel += p.spec->tensor.numel();
-  }
-}
-
-void Model::ApplySequenceParallel(cai_comm_group* group, int32_t mode) {
-  if (mode != CAI_SEQUENCE_PARALLEL_ALL_TO_ALL) {
-    Fail(CAI_UNIMPLEMENTED, "apply_sequence_parallel: mode " + std::to_string(mode) +
-                                " is not in this version; CAI_SEQUENCE_PARALLEL_ALL_TO_ALL "
-                                "(DeepSpeed-Ulysses) is");
-  }
-  impl_->net->ApplySequenceParallel(NetworkGroup(*impl_, group, "apply_sequence_parallel"));
-}
-
-namespace {
-
-TensorParallelGroup NetworkGroup(const Model::Impl& m, cai_comm_group* group,
                                  const std::string& what) {
   for (uint32_t i = 0; i < m.params.size(); ++i) {
     const Model::Impl::Param& p = m.params[i];
@@ -1045,6 +1017,27 @@ TensorParallelGroup NetworkGroup(const Model::Impl& m, cai_comm_group* group,
 }
 
 }  // namespace
+
+void Model::ApplyTensorParallel(cai_comm_group* group, const TensorParallelOptions& options) {
+  Impl& m = *impl_;
+  TensorParallelGroup g = NetworkGroup(m, group, "apply_tensor_parallel");
+  for (Impl::Param& p : m.params) p.spec->tensor.mutable_grad().reset();
+  m.net->ApplyTensorParallel(std::move(g), options);
+  for (Impl::Unit& u : m.units) u.numel = 0;
+  for (Impl::Param& p : m.params) {
+    p.shape = p.spec->tensor.sizes().vec();
+    if (p.spec->unit >= 0) m.units[p.spec->unit].numel += p.spec->tensor.numel();
+  }
+}
+
+void Model::ApplySequenceParallel(cai_comm_group* group, int32_t mode) {
+  if (mode != CAI_SEQUENCE_PARALLEL_ALL_TO_ALL) {
+    Fail(CAI_UNIMPLEMENTED, "apply_sequence_parallel: mode " + std::to_string(mode) +
+                                " is not in this version; CAI_SEQUENCE_PARALLEL_ALL_TO_ALL "
+                                "(DeepSpeed-Ulysses) is");
+  }
+  impl_->net->ApplySequenceParallel(NetworkGroup(*impl_, group, "apply_sequence_parallel"));
+}
 
 uint64_t Model::ChargeOwnStorage() {
   uint64_t charged = 0;

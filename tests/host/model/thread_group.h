@@ -56,6 +56,15 @@ class ThreadGroup {
   std::vector<torch::Tensor> slots_;
 };
 
+// Rank `rank` of a group of `size` with no collectives: for what fails before communicating
+// (refusals) or only cuts parameters.
+inline TensorParallelGroup Alone(int rank, int size) {
+  TensorParallelGroup g;
+  g.rank = rank;
+  g.size = size;
+  return g;
+}
+
 // Runs fn(rank) for ranks 0..n-1, each on a thread of its own (the ranks of a ThreadGroup),
 // and rethrows the first rank's exception, if any, once all have ended.
 inline void RunOnThreads(int n, const std::function<void(int)>& fn) {

@@ -18,6 +18,7 @@
 namespace cai {
 namespace {
 
+using testing::Alone;
 using testing::kScriptGptPolicy;
 using testing::SaveScriptGpt;
 using testing::ScriptGptShape;
@@ -55,13 +56,6 @@ size_t QkvIndex(const Network& net) {
     if (net.params[i].name == "blocks.l0.attn.qkv.weight") return i;
   }
   throw std::runtime_error("no blocks.l0.attn.qkv.weight");
-}
-
-TensorParallelGroup Alone(int rank, int size) {
-  TensorParallelGroup g;
-  g.rank = rank;
-  g.size = size;
-  return g;
 }
 
 class TorchScriptTp : public ::testing::Test {

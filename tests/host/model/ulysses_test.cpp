@@ -17,6 +17,7 @@
 namespace cai {
 namespace {
 
+using testing::Alone;
 using testing::ThreadGroup;
 
 // torch_fixtures.h's two-block models, with room for 24 positions.
@@ -114,13 +115,6 @@ std::string ErrorOf(const std::function<void()>& f) {
     return e.what();
   }
   return "";
-}
-
-TensorParallelGroup Alone(int rank, int size) {
-  TensorParallelGroup g;
-  g.rank = rank;
-  g.size = size;
-  return g;
 }
 
 TEST(Ulysses, LayoutsItCannotSplitFailSayingWhy) {

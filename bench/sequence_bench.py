@@ -1,28 +1,32 @@
 #!/usr/bin/python3
 """Activation memory per rank against sequence length under libcai_hybrid_parallel's sequence
-parallelism (split_gather over tp_size 2; all_to_all, DeepSpeed-Ulysses, over sp_size 2),
-tensor parallelism alone (tp_size 2) and one rank, and the longest sequence each would fit in
-a memory limit per rank, extrapolated.
+parallelism (split_gather over tp_size 2; all_to_all, DeepSpeed-Ulysses, and ring_attn, ring
+attention, over sp_size 2), tensor parallelism alone (tp_size 2) and one rank, and the longest
+sequence each would fit in a memory limit per rank, extrapolated.
 
 Memory: LibTorch's peak over the training steps (summary.json framework_step_peak_bytes, the
 largest rank's), which holds the activations and the step's temporaries; the parameters,
 gradients and optimizer state live in the strategy's buffers and are reported apart. The
 attention is the memory-efficient kernel (model.memory_efficient_attention), so nothing grows
 as T²: what is left grows linearly with T, and sequence parallelism divides all of it by tp
-(split_gather) or sp (all_to_all, whose attention holds every position for 1/sp of the heads).
+(split_gather) or sp (all_to_all, whose attention holds every position for 1/sp of the heads;
+ring_attn, whose attention holds this rank's positions of every head and one other rank's keys
+and values at a time).
 
 Longest sequence: the peak is a + b·T (fitted through the two longest lengths measured); the
 T where it reaches --limit-gib per rank is extrapolated, not run (the attention's compute grows
 as T², so a run at that length would take hours on this machine's two cores).
 
-Speed (--speed-pairs N): tp 2 and tp 2 + split_gather alternating N times at T = --speed-len
-(global batch 8, 6 steps), tokens/s of each and the per-pair ratio, median with min-max: what
-the all-gathers, reduce-scatters and the re-gather in backward cost against tensor
-parallelism's all-reduces.
+Speed (--speed-pairs N): two modes (--speed-modes, default tp 2 and tp 2 + split_gather)
+alternating N times at T = --speed-len (global batch 8, 6 steps), tokens/s of each and the
+per-pair ratio of the second to the first, median with min-max: e.g. what split_gather's
+all-gathers, reduce-scatters and re-gather in backward cost against tensor parallelism's
+all-reduces, or ring attention against Ulysses.
 
 usage: bench/sequence_bench.py BUILD_DIR [--lengths 1024,2048,4096,8192] [--limit-gib 10]
                                [--modes "1 rank,sp 2 all_to_all"] [--speed-pairs 5]
-                               [--speed-len 1024] [job sizes of benchlib.py]
+                               [--speed-modes "tp 2,tp 2 + split_gather"] [--speed-len 1024]
+                               [job sizes of benchlib.py]
 """
 import argparse
 import tempfile
@@ -36,6 +40,8 @@ MODES = {
     "tp 2 + split_gather": (2, "tp_size = 2\nenable_sequence_parallelism = true\n"),
     "sp 2 all_to_all": (2, 'sp_size = 2\nenable_sequence_parallelism = true\n'
                            'sequence_parallelism_mode = "all_to_all"\n'),
+    "sp 2 ring_attn": (2, 'sp_size = 2\nenable_sequence_parallelism = true\n'
+                          'sequence_parallelism_mode = "ring_attn"\n'),
 }
 
 
@@ -50,24 +56,25 @@ def peak(build, args, work, mode, t):
     return max(r["framework_step_peak_bytes"] for r in summary["ranks"]), summary["blas"]
 
 
-def speed(build, args, work):
+def speed(build, args, work, first, second):
     args.seq_len = args.n_ctx = args.speed_len
-    args.global_batch, args.steps, args.nproc = 8, 6, 2
+    args.global_batch, args.steps = 8, 6
     print(f"\ntokens/s at T = {args.speed_len}, global batch 8, 6 steps, alternating:")
     ratios = []
     for i in range(args.speed_pairs):
         figures = {}
-        for mode in ("tp 2", "tp 2 + split_gather"):
+        for mode in (first, second):
+            args.nproc = MODES[mode][0]
             run_dir = work / f"speed-{mode.replace(' ', '_').replace('+', '')}-{i}"
             summary = run_cai(build, args, run_dir, "hybrid_parallel",
                               "\n[plugin.hybrid_parallel]\n" + MODES[mode][1],
                               sets=("model.memory_efficient_attention=true",
                                     "data.eval_fraction=0"))
             figures[mode] = summary["tokens_per_s"]
-        ratios.append(figures["tp 2 + split_gather"] / figures["tp 2"])
-        print(f"  pair {i + 1}: tp 2 {figures['tp 2']:.0f}, tp 2 + split_gather "
-              f"{figures['tp 2 + split_gather']:.0f}, ratio {ratios[-1]:.3f}", flush=True)
-    print(f"  split_gather / tp 2 tokens/s: median {format_spread(spread(ratios))}; BLAS: "
+        ratios.append(figures[second] / figures[first])
+        print(f"  pair {i + 1}: {first} {figures[first]:.0f}, {second} {figures[second]:.0f}, "
+              f"ratio {ratios[-1]:.3f}", flush=True)
+    print(f"  {second} / {first} tokens/s: median {format_spread(spread(ratios))}; BLAS: "
           f"{summary['blas']}")
 
 
@@ -80,6 +87,8 @@ def main():
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated, of: " + ", ".join(MODES))
     p.add_argument("--speed-pairs", dest="speed_pairs", type=int, default=0)
+    p.add_argument("--speed-modes", dest="speed_modes", default="tp 2,tp 2 + split_gather",
+                   help="the two modes the speed pairs alternate, comma-separated")
     p.add_argument("--speed-len", dest="speed_len", type=int, default=1024)
     p.set_defaults(steps=2, global_batch=2, n_layer=2, n_embd=256, n_head=8, timeout=1800)
     args = p.parse_args()
@@ -89,6 +98,9 @@ def main():
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"--modes: unknown {unknown}; choose from {list(MODES)}")
+    speed_modes = [m.strip() for m in args.speed_modes.split(",") if m.strip()]
+    if len(speed_modes) != 2 or any(m not in MODES for m in speed_modes):
+        p.error(f"--speed-modes: two of {list(MODES)}, got {speed_modes}")
     mib = 2 ** 20
     blas = ""
     with tempfile.TemporaryDirectory(prefix="sequence_bench_") as tmp:
@@ -111,7 +123,7 @@ def main():
         if lengths:
             print(f"BLAS: {blas}")
         if args.speed_pairs:
-            speed(build, args, Path(tmp))
+            speed(build, args, Path(tmp), *speed_modes)
         if len(lengths) < 2:
             return
         limit = args.limit_gib * 2 ** 30

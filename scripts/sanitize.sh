@@ -23,11 +23,12 @@
 # - tensor parallelism's padded-vocabulary, bf16, accounting, grid, Llama and checkpoint-matrix
 #   runs (its tp 2 and 3 test and its Llama tp 2 run with every kernel run the same split,
 #   padding, gather and distributed loss code); sequence parallelism's accounting runs and
-#   Ulysses' Llama, grid and checkpoint runs (split_gather's tp 2 and 3 test and Ulysses' sp 2
-#   and 3 test run the same all-gathers, reduce-scatters, all-to-alls and shard loss);
+#   Ulysses' and ring attention's Llama, grid and checkpoint runs (split_gather's tp 2 and 3
+#   test and Ulysses' and ring attention's sp 2 and 3 tests run the same all-gathers,
+#   reduce-scatters, all-to-alls, ring steps and shard loss);
 #   hybrid_parallel's plain data-parallel path (ddp's and low_level_zero's own tests run it);
 # - the tables of bad configurations whose cases each start ranks only to refuse a key
-#   (hybrid_parallel's, Ulysses', the layouts'): the parsing and messages they check are
+#   (hybrid_parallel's, Ulysses', ring attention's, the layouts'): the parsing and messages they check are
 #   strings built once, and the same runs pass unsanitised;
 # - local_sgd synchronising every step (its every-two-steps test runs the same code) and a
 #   checkpoint of another strategy resumed under ddp (each strategy's own resume tests read
@@ -43,7 +44,7 @@ skip=(
   'LowLevelZero\.(Stage2_SmallBuckets|Stage1_OneTwoThreeRanks|CommunicationPerStep|Memory_|Bf16_).*'
   'FsdpParity\.(SaveFullOnTwoRanksResumeOnThree|SaveShardedOnThreeRanksResumeOnTwo|TwoAndThreeRanks_BufferDtype|ThreeRanks_Bf16).*'
   'DdpParity\.(Ddp_TwoRanks_AllReduceBytesEqualGradientBytes|CheckpointOfAnotherStrategy).*'
-  'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama|Tp_PaddedVocabulary|Bf16_Tp2|Tp2_Communication|Checkpoint_Tp2Pp2|Tp2Pp2AndTp2Dp2|Tp2_LlamaGqa|ActivationMemoryPerBlock|SequenceParallel_(Communication|OddSequence)|Ulysses_(LlamaGqa|Sp2With|Checkpoints|Communication|BadConfigurations)|BadConfigurations|DataParallelPath|TorchScriptPolicy_Missing).*'
+  'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama|Tp_PaddedVocabulary|Bf16_Tp2|Tp2_Communication|Checkpoint_Tp2Pp2|Tp2Pp2AndTp2Dp2|Tp2_LlamaGqa|ActivationMemoryPerBlock|SequenceParallel_(Communication|OddSequence)|Ulysses_(LlamaGqa|Sp2With|Checkpoints|Communication|BadConfigurations)|RingAttn_(LlamaGqa|Sp2With|Checkpoint|Communication|BadConfigurations)|BadConfigurations|DataParallelPath|TorchScriptPolicy_Missing).*'
   'LocalSgd\.SyncEveryStep_IsDdpExactly' 'ParallelLayout\.BadLayouts.*'
   'GeminiParity\.(TwoRanks_ChunkSearch|FourRanks_ExtraDataParallel|Bf16AndFp16|TwoAndThreeRanks_HostPlacement).*' 'GeminiBudget\..*'
 )

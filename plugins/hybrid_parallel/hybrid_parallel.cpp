@@ -1,18 +1,19 @@
 // libcai_hybrid_parallel: tensor and pipeline parallelism with data parallelism across the
 // replicas, as ColossalAI's HybridParallelPlugin; sequence parallelism in its split_gather mode
-// (Megatron-LM's, over the tensor-parallel group) and its all_to_all mode (DeepSpeed-Ulysses,
-// over a group of sp_size ranks of its own); ring and ring_attn are refused.
+// (Megatron-LM's, over the tensor-parallel group), its all_to_all mode (DeepSpeed-Ulysses, over
+// a group of sp_size ranks of its own) and its ring_attn mode (ring attention over the same
+// group, zigzag split); ring is refused.
 //
 // Mesh. The world is dp_size × pp_size × sp_size × tp_size ranks, tensor parallelism innermost
 // (ColossalAI's dp-outside order): world rank = ((dp_rank · pp_size + pp_rank) · sp_size +
 // sp_rank) · tp_size + tp_rank. A tensor-parallel group is tp_size consecutive ranks; a
 // sequence-parallel group holds one rank of each of sp_size neighbouring tensor-parallel
 // groups; a pipeline holds one rank of each stage's group; a data-parallel group holds the
-// ranks of one (stage, tp rank) position across the replicas and, under all_to_all, across
-// the sequence-parallel ranks too: Ulysses leaves each rank a partial gradient whose sum over
-// its sequence-parallel group is the gradient, so gradients are reduced (and ZeRO shards) over
-// dp × sp, as ColossalAI does. The host hands every rank of a replica the same micro-batches;
-// the model takes each sequence-parallel rank's shard of the positions.
+// ranks of one (stage, tp rank) position across the replicas and, under all_to_all and
+// ring_attn, across the sequence-parallel ranks too: both leave each rank a partial gradient
+// whose sum over its sequence-parallel group is the gradient, so gradients are reduced (and
+// ZeRO shards) over dp × sp, as ColossalAI does. The host hands every rank of a replica the same
+// micro-batches; the model takes each sequence-parallel rank's shard of the positions.
 //
 // Tensor parallelism is the host's (apply_tensor_parallel, at boost, before anything else):
 // each rank keeps its slices of the split parameters and the model all-reduces inside forward
@@ -197,10 +198,11 @@ class HybridParallel {
                      "model.activation_checkpointing in charge.",
                      0, 1, kMin | CAI_CONFIG_HAS_MAX),
             IntKey("sp_size", "1",
-                   "all_to_all: the ranks of the sequence-parallel group, each holding 1/sp_size "
-                   "of every sequence (the world is dp x pp x sp x tp); must divide the heads "
-                   "and key/value heads per tensor-parallel rank, and train.seq_len. 1 for "
-                   "split_gather, which runs over the tensor-parallel group.",
+                   "all_to_all and ring_attn: the ranks of the sequence-parallel group, each "
+                   "holding 1/sp_size of every sequence (the world is dp x pp x sp x tp). "
+                   "all_to_all: must divide the heads and key/value heads per tensor-parallel "
+                   "rank, and train.seq_len; ring_attn: 2 x sp_size must divide train.seq_len. "
+                   "1 for split_gather, which runs over the tensor-parallel group.",
                    1, 0, kMin),
             BoolKey("enable_sequence_parallelism", "false",
                     "Split every sequence over ranks as sequence_parallelism_mode says."),
@@ -212,7 +214,11 @@ class HybridParallel {
                       "divide by tp_size. all_to_all (sp_size > 1): DeepSpeed-Ulysses, every "
                       "layer on 1/sp_size of the sequence, attention on all of it for 1/sp_size "
                       "of the heads through two all-to-alls; gradients reduced over dp x sp. "
-                      "ring and ring_attn are not in this version.",
+                      "ring_attn (sp_size > 1): ring attention, the sequence cut into 2 x sp_size "
+                      "chunks, rank r holding chunks r and 2 x sp_size - 1 - r (zigzag, an equal "
+                      "share of the causal work), keys and values passed around the "
+                      "sequence-parallel group during attention; gradients reduced over dp x sp. "
+                      "ring is not in this version.",
                       kSequenceModes),
             IntKey("pp_size", "1",
                    "Pipeline stages; the world must be a multiple of it (the rest is data "
@@ -273,15 +279,16 @@ class HybridParallel {
     tp_ = static_cast<int32_t>(config.Int("tp_size"));
     const bool enabled = config.Bool("enable_sequence_parallelism");
     const std::string& mode = config.String("sequence_parallelism_mode");
-    if (enabled && mode != "split_gather" && mode != "all_to_all") {
+    if (enabled && mode == "ring") {
       throw Error(CAI_UNIMPLEMENTED,
-                  "hybrid_parallel: sequence_parallelism_mode = \"" + mode +
-                      "\" is not in this version; \"split_gather\" (Megatron-LM's, over the "
-                      "tensor-parallel group) and \"all_to_all\" (DeepSpeed-Ulysses, over "
-                      "sp_size ranks) are");
+                  "hybrid_parallel: sequence_parallelism_mode = \"ring\" is not in this "
+                  "version; \"split_gather\" (Megatron-LM's, over the tensor-parallel group), "
+                  "\"all_to_all\" (DeepSpeed-Ulysses) and \"ring_attn\" (ring attention), "
+                  "both over sp_size ranks, are");
     }
     sequence_parallel_ = enabled && mode == "split_gather";
-    ulysses_ = enabled && mode == "all_to_all";
+    if (enabled && mode == "all_to_all") sp_mode_ = CAI_SEQUENCE_PARALLEL_ALL_TO_ALL;
+    if (enabled && mode == "ring_attn") sp_mode_ = CAI_SEQUENCE_PARALLEL_RING_ATTN;
     if (sequence_parallel_ && tp_ < 2) {
       throw Error(CAI_INVALID_ARGUMENT,
                   "hybrid_parallel: enable_sequence_parallelism with sequence_parallelism_mode "
@@ -289,16 +296,16 @@ class HybridParallel {
                   "tp_size > 1");
     }
     sp_ = static_cast<int32_t>(config.Int("sp_size"));
-    if (ulysses_ && sp_ < 2) {
+    if (sp_mode_ != 0 && sp_ < 2) {
       throw Error(CAI_INVALID_ARGUMENT,
-                  "hybrid_parallel: sequence_parallelism_mode = \"all_to_all\" splits the "
-                  "sequence over a group of sp_size ranks: set sp_size > 1");
+                  "hybrid_parallel: sequence_parallelism_mode = \"" + mode +
+                      "\" splits the sequence over a group of sp_size ranks: set sp_size > 1");
     }
-    if (!ulysses_ && sp_ != 1) {
+    if (sp_mode_ == 0 && sp_ != 1) {
       throw Error(CAI_INVALID_ARGUMENT,
                   "hybrid_parallel: sp_size = " + std::to_string(sp_) +
-                      " sizes the group of sequence_parallelism_mode = \"all_to_all\" with "
-                      "enable_sequence_parallelism = true" +
+                      " sizes the group of sequence_parallelism_mode = \"all_to_all\" or "
+                      "\"ring_attn\" with enable_sequence_parallelism = true" +
                       (enabled ? " (split_gather runs over the tensor-parallel group: leave "
                                  "sp_size at 1)"
                                : "") +
@@ -408,7 +415,7 @@ class HybridParallel {
     sdk::RequireFp32Params(model_, kName);
     MakeGroups();
     if (tp_ > 1) ApplyTensorParallel();
-    if (ulysses_) ApplySequenceParallel();
+    if (sp_mode_ != 0) ApplySequenceParallel();
     PlanStages();
     ConfigureModel();
     const uint32_t num_params = Host().model->num_params(model_);
@@ -463,9 +470,10 @@ class HybridParallel {
 
     std::ostringstream line;
     line << "hybrid_parallel: dp " << dp_ << " x pp " << pp_ << " x sp " << sp_ << " x tp " << tp_
-         << (sequence_parallel_ ? " (sequence parallelism split_gather)"
-             : ulysses_         ? " (sequence parallelism all_to_all)"
-                                : "")
+         << (sequence_parallel_                             ? " (sequence parallelism split_gather)"
+             : sp_mode_ == CAI_SEQUENCE_PARALLEL_ALL_TO_ALL ? " (sequence parallelism all_to_all)"
+             : sp_mode_ == CAI_SEQUENCE_PARALLEL_RING_ATTN  ? " (sequence parallelism ring_attn)"
+                                                            : "")
          << ", " << (interleaved_ ? "interleaved" : "1f1b") << " over " << microbatches_
          << " micro-batches, zero_stage " << zero_stage_ << "; pipeline rank " << pp_rank_
          << " runs";
@@ -615,7 +623,8 @@ class HybridParallel {
   }
 
   // The canonical layout: each stage's rank 0 of the group reducing its gradients (data
-  // parallelism, × sequence parallelism under all_to_all) writes what its stage holds; with
+  // parallelism, × sequence parallelism under all_to_all and ring_attn) writes what its stage
+  // holds; with
   // tensor parallelism the slices are gathered over the group and its rank 0 writes them whole.
   void Save(const cai_checkpoint_args& args) {
     const bool writer = ReducerRank() == 0;
@@ -699,7 +708,8 @@ class HybridParallel {
     out.device_bytes =
         out.param_bytes + out.grad_bytes + out.master_bytes + out.optimizer_state_bytes;
     out.formula = zero > 0 ? "per rank: (P + G)Ψ/(pp·tp) + (K + M)Ψ/(pp·tp·dp·sp), ZeRO over "
-                             "dp·sp (sp: all_to_all's sequence-parallel ranks, else 1)"
+                             "dp·sp (sp: all_to_all's or ring_attn's sequence-parallel ranks, "
+                             "else 1)"
                            : "per rank: (P + G + M + K)Ψ/(pp·tp), replicated over dp·sp";
   }
 
@@ -862,18 +872,20 @@ class HybridParallel {
     }
   }
 
-  // Ulysses over the sequence-parallel group (the host's all-to-alls around attention).
+  // Ulysses or ring attention over the sequence-parallel group (the host's all-to-alls around
+  // attention, or its keys and values passed around the group).
   void ApplySequenceParallel() {
     const cai_model_api& model = *Host().model;
     if (!CAI_HAS_FIELD(&model, cai_model_api, apply_sequence_parallel)) {
       throw Error(CAI_FAILED_PRECONDITION,
-                  "hybrid_parallel: sequence_parallelism_mode = \"all_to_all\" needs a host "
-                  "with ABI 1.3's apply_sequence_parallel; upgrade cai or use split_gather");
+                  "hybrid_parallel: sequence_parallelism_mode = \"all_to_all\" or "
+                  "\"ring_attn\" needs a host with ABI 1.3's apply_sequence_parallel; upgrade "
+                  "cai or use split_gather");
     }
     cai_sequence_parallel_args a{};
     a.struct_size = CAI_SEQUENCE_PARALLEL_ARGS_STRUCT_SIZE;
     a.group = sp_group_;
-    a.mode = CAI_SEQUENCE_PARALLEL_ALL_TO_ALL;
+    a.mode = sp_mode_;
     try {
       Check(model.apply_sequence_parallel(model_, &a));
     } catch (const Error& e) {
@@ -1271,7 +1283,7 @@ class HybridParallel {
           sp_rank_ = 0;
   bool parallel_output_ = true;
   bool sequence_parallel_ = false;  // split_gather
-  bool ulysses_ = false;            // all_to_all
+  int32_t sp_mode_ = 0;             // cai_sequence_parallel_mode; 0: none or split_gather
   uint64_t kernels_ = 0;            // CAI_MODEL_KERNEL_*
   std::string ckpt_layers_text_;
   double ckpt_ratio_ = 0;
@@ -1302,7 +1314,7 @@ class HybridParallel {
   std::vector<Shared> shared_;
   std::vector<cai_comm_group*> groups_;  // every group this rank created (NULL: not a member)
   cai_comm_group* tp_group_ = nullptr;
-  cai_comm_group* sp_group_ = nullptr;  // all_to_all
+  cai_comm_group* sp_group_ = nullptr;  // all_to_all, ring_attn
   cai_comm_group* pp_group_ = nullptr;
   cai_comm_group* dp_group_ = nullptr;
   std::optional<sdk::DataParallelReplica> replica_;  // zero_stage 0

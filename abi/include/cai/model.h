@@ -228,18 +228,28 @@ typedef struct cai_tensor_parallel_args {
   CAI_STRUCT_SIZE(cai_tensor_parallel_args, gather_output)
 
 /* Sequence parallelism over a group of its own (since 1.3, zoo models), apply_sequence_parallel.
- * Every rank of the group calls forward/backward on the same tokens and targets [B, T], T a
- * multiple of the group's size; each runs the embedding, the blocks and the head on its
- * T/size consecutive positions [rank·T/size, (rank + 1)·T/size), so units between the
- * embedding and the head take and return [B, T/size, hidden] (what a pipeline sends between
- * stages). Position embeddings and RoPE take the shard's offset.
- *  ALL_TO_ALL: DeepSpeed-Ulysses (Jacobs et al. 2023). Around each attention an all-to-all
+ * Every rank of the group calls forward/backward on the same tokens and targets [B, T]; each
+ * runs the embedding, the blocks and the head on its T/size positions (which ones: the mode),
+ * so units between the embedding and the head take and return [B, T/size, hidden] (what a
+ * pipeline sends between stages). Position embeddings and RoPE take the shard's positions.
+ *  ALL_TO_ALL: DeepSpeed-Ulysses (Jacobs et al. 2023), T a multiple of size, rank r holding the
+ *    consecutive positions [r·T/size, (r + 1)·T/size). Around each attention an all-to-all
  *    turns q, k, v from [all heads, T/size positions] into [heads/size, all T positions] and
  *    another turns the output back, so attention sees the whole sequence for 1/size of the
  *    heads. Per block and micro-batch a rank hands 4·B·(T/size)·(q + kv) elements to
  *    all-to-alls, forward and backward together (q, kv: the widths of its query and of its
  *    key or value projection; a recomputed block runs its forward's two again). The heads
  *    and key/value heads (per tensor-parallel rank) must divide by size.
+ *  RING_ATTN: ring attention (Liu et al. 2023) with the balanced "zigzag" split of the causal
+ *    sequence: T a multiple of 2·size, cut into 2·size chunks of c = T/(2·size), rank r holding
+ *    chunks r and 2·size − 1 − r (its positions in that order), so every rank does the same
+ *    share of the causal attention. Each attention runs size steps: this rank's queries
+ *    against the keys and values of rank r, r − 1, ..., merged with an online softmax, while
+ *    the keys and values move one rank on around the ring (sent to r + 1, received from
+ *    r − 1); backward passes them around again with their gradients travelling beside them
+ *    back to their owner. Per block and micro-batch a rank sends 2·B·2c·kv elements (k and v)
+ *    size − 1 times in forward, and in backward size − 1 times again plus their fp32
+ *    gradients size times (a recomputed block repeats its forward's). Any head counts.
  * The loss is the whole micro-batch's mean on every rank (a 2-float all-reduce of the shards'
  * sums and target counts), but each rank back-propagates only its shard's part of it: a
  * parameter's gradient on one rank is partial, and its SUM over the group is the gradient.
@@ -247,7 +257,8 @@ typedef struct cai_tensor_parallel_args {
  * data parallelism alone (summing the replicas' loss_weight-scaled gradients), as ColossalAI's
  * ZeRO does over dp × sp. */
 typedef enum cai_sequence_parallel_mode {
-  CAI_SEQUENCE_PARALLEL_ALL_TO_ALL = 1
+  CAI_SEQUENCE_PARALLEL_ALL_TO_ALL = 1,
+  CAI_SEQUENCE_PARALLEL_RING_ATTN = 2
 } cai_sequence_parallel_mode;
 
 typedef struct cai_sequence_parallel_args {
@@ -345,9 +356,10 @@ typedef struct cai_model_api {
   /* 1.3. Sequence parallelism (see cai_sequence_parallel_args) over `group`. Collective over
    * the group; once per model, after apply_tensor_parallel if any (INVALID_ARGUMENT with
    * tensor parallelism's sequence_parallel, whose sequence split it would repeat), before any
-   * storage is replaced or released. INVALID_ARGUMENT when the group's size does not divide
-   * the (per tensor-parallel rank) heads or key/value heads, and, at forward, the sequence
-   * length; UNIMPLEMENTED for TorchScript models and for modes other than ALL_TO_ALL. */
+   * storage is replaced or released. INVALID_ARGUMENT when, under ALL_TO_ALL, the group's
+   * size does not divide the (per tensor-parallel rank) heads or key/value heads, and, at
+   * forward, when the sequence length is not a multiple of size (ALL_TO_ALL) or 2·size
+   * (RING_ATTN); UNIMPLEMENTED for TorchScript models and for other modes. */
   cai_status* (*apply_sequence_parallel)(cai_model* model, const cai_sequence_parallel_args* args);
 } cai_model_api;
 #define CAI_MODEL_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_model_api, apply_sequence_parallel)

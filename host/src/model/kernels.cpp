@@ -140,12 +140,15 @@ CAI_VECTOR_CLONES void RmsNormBackwardLoop(const float* x, const float* g, const
 
 // ---- Memory-efficient attention -------------------------------------------------------------
 
-// Keys after their query are masked: true where key index > query index.
+}  // namespace
+
 torch::Tensor FutureMask(int64_t q0, int64_t q1, int64_t k0, int64_t k1, const torch::Device& d) {
   torch::Tensor rows = torch::arange(q0, q1, torch::TensorOptions().dtype(torch::kLong).device(d));
   torch::Tensor cols = torch::arange(k0, k1, torch::TensorOptions().dtype(torch::kLong).device(d));
   return cols.unsqueeze(0).gt(rows.unsqueeze(1));
 }
+
+namespace {
 
 struct Attention : torch::autograd::Function<Attention> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor q, torch::Tensor k,

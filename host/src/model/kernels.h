@@ -27,6 +27,8 @@ torch::Tensor MathAttention(const torch::Tensor& q, const torch::Tensor& k, cons
 // The same, tiled (see above).
 torch::Tensor MemoryEfficientAttention(const torch::Tensor& q, const torch::Tensor& k,
                                        const torch::Tensor& v, int64_t block = 128);
+// The causal mask of queries [q0, q1) against keys [k0, k1): true where key index > query index.
+torch::Tensor FutureMask(int64_t q0, int64_t q1, int64_t k0, int64_t k1, const torch::Device& d);
 // x [..., C], weight [C]: x / rms(x) · weight, the statistics in fp32.
 torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 // tanh-GELU(x + bias); bias may be undefined.

@@ -130,7 +130,7 @@ void Network::ApplyTensorParallel(TensorParallelGroup, const TensorParallelOptio
                   "(model.kind = \"gpt2\" or \"llama\")");
 }
 
-void Network::ApplySequenceParallel(TensorParallelGroup) {
+void Network::ApplySequenceParallel(TensorParallelGroup, int32_t) {
   throw Error(CAI_UNIMPLEMENTED,
               "apply_sequence_parallel: this model (" + Describe() +
                   ") has no sequence to split between its layers: sequence parallelism needs a "
@@ -965,6 +965,10 @@ void Model::EnableKernels(uint64_t kernels) { impl_->net->EnableKernels(kernels)
 
 namespace {
 
+// Ring attention's point-to-point messages on a sequence-parallel group; in order per pair of
+// ranks, as every rank runs the same steps.
+constexpr int32_t kRingTag = 0x52494e47;  // "RING"
+
 // `group` of the host's communicator as the collectives a network calls; `what` names the call
 // in errors. Fails unless every parameter still has the storage the model gave it.
 TensorParallelGroup NetworkGroup(const Model::Impl& m, cai_comm_group* group,
@@ -1013,6 +1017,36 @@ TensorParallelGroup NetworkGroup(const Model::Impl& m, cai_comm_group* group,
   g.all_to_all = [run](const torch::Tensor& in, const torch::Tensor& out) {
     run(CAI_COMM_ALL_TO_ALL, CAI_REDUCE_SUM, &in, out);
   };
+  // Both posted before either is waited for: every rank sends and receives at once, and a
+  // blocking send first would wait on a peer that is itself sending.
+  g.shift = [comm, group, rank = g.rank, size = g.size](const torch::Tensor& send,
+                                                        const torch::Tensor& recv, int channel) {
+    if (size == 1) {
+      recv.copy_(send);
+      return;
+    }
+    DescribedShape keep_send, keep_recv;
+    const cai_tensor d_send = DescribeTensor(send, keep_send);
+    const cai_tensor d_recv = DescribeTensor(recv, keep_recv);
+    auto post = [&](cai_comm_op op, int32_t peer) {
+      cai_comm_args a{};
+      a.struct_size = CAI_COMM_ARGS_STRUCT_SIZE;
+      a.group = group;
+      a.op = op;
+      a.input = &d_send;
+      a.output = &d_recv;
+      a.peer = peer;
+      a.tag = kRingTag + channel;
+      a.async = true;
+      cai_comm_work* work = nullptr;
+      ThrowIfError(comm->run(&a, &work));
+      return std::unique_ptr<cai_comm_work, void (*)(cai_comm_work*)>(work, comm->work_release);
+    };
+    auto received = post(CAI_COMM_RECV, (rank - 1 + size) % size);
+    auto sent = post(CAI_COMM_SEND, (rank + 1) % size);
+    ThrowIfError(comm->work_wait(received.get(), 0));
+    ThrowIfError(comm->work_wait(sent.get(), 0));
+  };
   return g;
 }
 
@@ -1031,12 +1065,13 @@ void Model::ApplyTensorParallel(cai_comm_group* group, const TensorParallelOptio
 }
 
 void Model::ApplySequenceParallel(cai_comm_group* group, int32_t mode) {
-  if (mode != CAI_SEQUENCE_PARALLEL_ALL_TO_ALL) {
+  if (mode != CAI_SEQUENCE_PARALLEL_ALL_TO_ALL && mode != CAI_SEQUENCE_PARALLEL_RING_ATTN) {
     Fail(CAI_UNIMPLEMENTED, "apply_sequence_parallel: mode " + std::to_string(mode) +
                                 " is not in this version; CAI_SEQUENCE_PARALLEL_ALL_TO_ALL "
-                                "(DeepSpeed-Ulysses) is");
+                                "(DeepSpeed-Ulysses) and CAI_SEQUENCE_PARALLEL_RING_ATTN (ring "
+                                "attention) are");
   }
-  impl_->net->ApplySequenceParallel(NetworkGroup(*impl_, group, "apply_sequence_parallel"));
+  impl_->net->ApplySequenceParallel(NetworkGroup(*impl_, group, "apply_sequence_parallel"), mode);
 }
 
 uint64_t Model::ChargeOwnStorage() {

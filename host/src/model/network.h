@@ -48,6 +48,11 @@ struct TensorParallelGroup {
   // `out` (contiguous, as `in`) receives rank i's i-th of `in`'s `size` equal parts as its
   // i-th part.
   std::function<void(const torch::Tensor& in, const torch::Tensor& out)> all_to_all;
+  // Ring attention's step: `send` (contiguous) goes to rank (rank + 1) % size while `recv`
+  // (contiguous, as large) receives rank (rank − 1 + size) % size's. Messages on one `channel`
+  // (a small integer) arrive in the order sent; different channels may be in flight at once,
+  // from threads other than the one that calls the collectives.
+  std::function<void(const torch::Tensor& send, const torch::Tensor& recv, int channel)> shift;
 };
 
 struct UnitSpec {
@@ -72,10 +77,11 @@ class Network {
   // Forward and CrossEntropy run tensor-parallel over `group`. Networks without the structure
   // (TorchScript) refuse.
   virtual void ApplyTensorParallel(TensorParallelGroup group, const TensorParallelOptions& options);
-  // DeepSpeed-Ulysses over `group` (cai_sequence_parallel_args): each rank runs its shard of
-  // the sequence and attention all-to-alls heads against positions. Networks without the
-  // structure (TorchScript) refuse.
-  virtual void ApplySequenceParallel(TensorParallelGroup group);
+  // Sequence parallelism over `group` in `mode` (cai_sequence_parallel_mode): each rank runs
+  // its shard of the sequence; attention all-to-alls heads against positions (ALL_TO_ALL) or
+  // passes keys and values around the ring (RING_ATTN). Networks without the structure
+  // (TorchScript) refuse.
+  virtual void ApplySequenceParallel(TensorParallelGroup group, int32_t mode);
   // The targets [B, T] of what this rank's last unit computes: its shard under sequence
   // parallelism, all of them otherwise.
   virtual torch::Tensor LocalTargets(const torch::Tensor& targets) const { return targets; }

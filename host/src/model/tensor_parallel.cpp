@@ -1,11 +1,15 @@
 #include "model/tensor_parallel.h"
 
 #include <algorithm>
+#include <cmath>
+#include <future>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
+#include "model/kernels.h"
 
 namespace cai::tp {
 
@@ -242,7 +246,161 @@ struct HeadsToSequenceFn : torch::autograd::Function<HeadsToSequenceFn> {
   }
 };
 
+// ---- Ring attention --------------------------------------------------------------------------
+
+// The zigzag split: a rank's 2c positions are chunk r then chunk 2·size − 1 − r of 2·size. Which
+// of its query rows [q0, q1) see which of the key rows [k0, k1) of rank `source`'s block:
+// its own block causally by local index (both chunks ascend); an earlier rank's first chunk
+// precedes both of this rank's chunks and its second follows them; of a later rank's block,
+// only this rank's second chunk follows both of its chunks. Off the diagonal a step does half
+// the work, the same half on every rank.
+struct RingStep {
+  int64_t q0, q1, k0, k1;
+  bool causal;
+};
+RingStep StepOf(int64_t rank, int64_t source, int64_t t) {
+  const int64_t c = t / 2;
+  if (source == rank) return {0, t, 0, t, true};
+  if (source < rank) return {0, t, 0, c, false};
+  return {c, t, 0, t, false};
+}
+
+// Query rows per tile: the scores held at once are a tile's rows against one block's keys.
+constexpr int64_t kRingTile = 128;
+// The two kinds of message a step sends, on channels of their own so that the keys and values
+// moving on and the gradients returning (two threads) never take each other's place.
+constexpr int kRingKeysValues = 0, kRingGradients = 1;
+
+// k or v [B, Hkv, t, D] for queries of `group` heads each: repeated as attention reads them.
+torch::Tensor Expand(const torch::Tensor& x, int64_t group) {
+  return group == 1 ? x : x.repeat_interleave(group, 1);
+}
+// The gradient of Expand: a key/value head's queries' gradients summed.
+torch::Tensor Contract(const torch::Tensor& x, int64_t group) {
+  if (group == 1) return x;
+  return x.view({x.size(0), x.size(1) / group, group, x.size(2), x.size(3)}).sum(2);
+}
+
+// The keys and values of a step (of `kv`, k and v stacked), as its queries read them.
+std::pair<torch::Tensor, torch::Tensor> StepKeysValues(const torch::Tensor& kv, const RingStep& st,
+                                                       int64_t heads_per_kv) {
+  return {Expand(kv[0].slice(2, st.k0, st.k1), heads_per_kv),
+          Expand(kv[1].slice(2, st.k0, st.k1), heads_per_kv)};
+}
+
+// `send` around the ring into a new tensor, on a thread of its own so that it overlaps the
+// step's compute; get() waits for it and rethrows its failure.
+std::future<torch::Tensor> ShiftAsync(const TensorParallelGroup& g, torch::Tensor send,
+                                      int channel) {
+  return std::async(std::launch::async, [&g, send = std::move(send), channel] {
+    torch::Tensor recv = torch::empty_like(send);
+    g.shift(send, recv, channel);
+    return recv;
+  });
+}
+
+struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor q, torch::Tensor k,
+                               torch::Tensor v, int64_t group) {
+    const TensorParallelGroup& g = GroupOf(group);
+    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+    const int64_t heads_per_kv = h / k.size(1);
+    const double scale = 1.0 / std::sqrt(double(d));
+    const torch::ScalarType type = q.scalar_type();
+    const float inf = std::numeric_limits<float>::infinity();
+    const torch::TensorOptions f32 = q.options().dtype(torch::kFloat);
+    torch::Tensor m = torch::full({b, h, t}, -inf, f32), l = torch::zeros({b, h, t}, f32);
+    torch::Tensor acc = torch::zeros({b, h, t, d}, f32);
+    torch::Tensor kv = torch::stack({k, v});
+    for (int64_t step = 0; step < g.size; ++step) {
+      std::future<torch::Tensor> next;
+      if (step + 1 < g.size) next = ShiftAsync(g, kv, kRingKeysValues);
+      const RingStep st = StepOf(g.rank, (g.rank - step + g.size) % g.size, t);
+      const auto [ks, vs] = StepKeysValues(kv, st, heads_per_kv);
+      for (int64_t i0 = st.q0; i0 < st.q1; i0 += kRingTile) {
+        const int64_t i1 = std::min(st.q1, i0 + kRingTile);
+        torch::Tensor s =
+            torch::matmul(q.slice(2, i0, i1), ks.transpose(-2, -1)).to(torch::kFloat).mul_(scale);
+        if (st.causal) s.masked_fill_(kernels::FutureMask(i0, i1, st.k0, st.k1, q.device()), -inf);
+        torch::Tensor mi = m.slice(2, i0, i1), li = l.slice(2, i0, i1);
+        const torch::Tensor m_new = torch::maximum(mi, std::get<0>(s.max(-1)));
+        const torch::Tensor p = s.sub_(m_new.unsqueeze(-1)).exp_();
+        const torch::Tensor correction = (mi - m_new).exp_();
+        li.mul_(correction).add_(p.sum(-1));
+        acc.slice(2, i0, i1)
+            .mul_(correction.unsqueeze(-1))
+            .add_(torch::matmul(p.to(type), vs).to(torch::kFloat));
+        mi.copy_(m_new);
+      }
+      if (next.valid()) kv = next.get();
+    }
+    // [B, T, H, D] underneath, as the memory-efficient attention writes it: merging the heads
+    // is then a view.
+    torch::Tensor out = torch::empty({b, t, h, d}, q.options()).transpose(1, 2);
+    out.copy_(acc.div_(l.unsqueeze(-1)));
+    const torch::Tensor lse = m.add_(l.log_());
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["group"] = group;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3],
+                        &lse = saved[4];
+    const TensorParallelGroup& g = GroupOf(ctx);
+    const torch::ScalarType type = q.scalar_type();
+    const int64_t t = q.size(2), heads_per_kv = q.size(1) / k.size(1);
+    const double scale = 1.0 / std::sqrt(double(q.size(3)));
+    const torch::Tensor& dout = grads[0];
+    // FlashAttention-2's D = rowsum(dO ∘ O).
+    const torch::Tensor delta = (dout.to(torch::kFloat) * out.to(torch::kFloat)).sum(-1);
+    torch::Tensor dq = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat));
+    torch::Tensor kv = torch::stack({k, v});
+    // The gradient of the block held, from the ranks it has visited, and its way on.
+    std::future<torch::Tensor> returning;
+    for (int64_t step = 0; step < g.size; ++step) {
+      std::future<torch::Tensor> next;
+      if (step + 1 < g.size) next = ShiftAsync(g, kv, kRingKeysValues);
+      const RingStep st = StepOf(g.rank, (g.rank - step + g.size) % g.size, t);
+      const auto [ks, vs] = StepKeysValues(kv, st, heads_per_kv);
+      torch::Tensor dks = torch::zeros(ks.sizes(), dq.options());
+      torch::Tensor dvs = torch::zeros(vs.sizes(), dq.options());
+      for (int64_t i0 = st.q0; i0 < st.q1; i0 += kRingTile) {
+        const int64_t i1 = std::min(st.q1, i0 + kRingTile);
+        const torch::Tensor qi = q.slice(2, i0, i1), doi = dout.slice(2, i0, i1);
+        torch::Tensor s = torch::matmul(qi, ks.transpose(-2, -1)).to(torch::kFloat).mul_(scale);
+        if (st.causal) {
+          s.masked_fill_(kernels::FutureMask(i0, i1, st.k0, st.k1, q.device()),
+                         -std::numeric_limits<float>::infinity());
+        }
+        const torch::Tensor p = s.sub_(lse.slice(2, i0, i1).unsqueeze(-1)).exp_();
+        dvs.add_(torch::matmul(p.transpose(-2, -1).to(type), doi).to(torch::kFloat));
+        const torch::Tensor dp = torch::matmul(doi, vs.transpose(-2, -1)).to(torch::kFloat);
+        const torch::Tensor ds =
+            p.mul_(dp.sub_(delta.slice(2, i0, i1).unsqueeze(-1))).mul_(scale).to(type);
+        dq.slice(2, i0, i1).add_(torch::matmul(ds, ks).to(torch::kFloat));
+        dks.add_(torch::matmul(ds.transpose(-2, -1), qi).to(torch::kFloat));
+      }
+      torch::Tensor dkv = torch::zeros(kv.sizes(), dq.options());
+      dkv[0].slice(2, st.k0, st.k1).copy_(Contract(dks, heads_per_kv));
+      dkv[1].slice(2, st.k0, st.k1).copy_(Contract(dvs, heads_per_kv));
+      if (returning.valid()) dkv.add_(returning.get());
+      if (next.valid()) kv = next.get();
+      // On to the rank that now holds the block; after the last step, home to its owner.
+      returning = ShiftAsync(g, dkv, kRingGradients);
+    }
+    const torch::Tensor dkv = returning.get();
+    return {dq.to(type), dkv[0].to(type), dkv[1].to(type), torch::Tensor()};
+  }
+};
+
 }  // namespace
+
+torch::Tensor RingAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const TensorParallelGroup& group) {
+  return RingAttentionFn::apply(q, k, v, Handle(group));
+}
 
 torch::Tensor CopyToGroup(const torch::Tensor& x, const TensorParallelGroup& group) {
   return Copy::apply(x, Handle(group));

@@ -45,9 +45,19 @@ std::vector<torch::Tensor> GatheredLinears(const torch::Tensor& x,
 // heads [rank·H/size, (rank + 1)·H/size); and back. Each one all-to-all, backward the other.
 torch::Tensor SequenceToHeads(const torch::Tensor& x, const TensorParallelGroup& group);
 torch::Tensor HeadsToSequence(const torch::Tensor& x, const TensorParallelGroup& group);
-// The loss of a sequence shard under Ulysses: `mean`, this rank's mean cross-entropy over its
-// `targets` other than `ignore`, becomes the whole micro-batch's mean (the shards' sums and
-// counts all-reduced, 2 floats), with the gradient of this shard's part of it.
+// Ring attention (Liu et al. 2023) over the sequence-parallel group under the zigzag split
+// (cai_sequence_parallel_mode's RING_ATTN): q [B, H, t, D], k and v [B, Hkv, t, D] at this
+// rank's 2 chunks of t/2 positions; returns this rank's rows of the causal attention over the
+// whole sequence, [B, H, t, D]. Keys and values go around the ring (each step's send overlaps
+// its compute), merged with an online softmax; the scores are held a tile of queries against
+// one rank's keys at a time, and backward keeps only q, k, v, the output and the rows'
+// log-sum-exp (FlashAttention-2's backward), passing the keys and values around again with
+// their gradients following them home.
+torch::Tensor RingAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const TensorParallelGroup& group);
+// The loss of a sequence shard under Ulysses or ring attention: `mean`, this rank's mean
+// cross-entropy over its `targets` other than `ignore`, becomes the whole micro-batch's mean (the
+// shards' sums and counts all-reduced, 2 floats), with the gradient of this shard's part of it.
 torch::Tensor SequenceShardLoss(const torch::Tensor& mean, const torch::Tensor& targets,
                                 int64_t ignore, const TensorParallelGroup& group);
 // Cross-entropy over vocabulary-parallel fp32 logits [N, part] holding the vocabulary's columns

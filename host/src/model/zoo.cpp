@@ -168,7 +168,7 @@ class ZooNetwork : public Network {
     tp_ = std::move(group);
   }
 
-  void ApplySequenceParallel(TensorParallelGroup group) override {
+  void ApplySequenceParallel(TensorParallelGroup group, int32_t mode) override {
     if (sp_.size > 1) {
       throw Error(CAI_FAILED_PRECONDITION,
                   "apply_sequence_parallel: sequence parallelism is already applied to this "
@@ -183,7 +183,8 @@ class ZooNetwork : public Network {
     const std::string per_rank = tp_.size > 1 ? " per tensor-parallel rank" : "";
     for (const auto& [value, what] : {std::pair{heads_, "attention heads (n_head"},
                                       std::pair{kv_heads_, "key/value heads (n_kv_head"}}) {
-      if (value % n != 0) {
+      // Ring attention keeps every head on every rank.
+      if (mode == CAI_SEQUENCE_PARALLEL_ALL_TO_ALL && value % n != 0) {
         throw Error(CAI_INVALID_ARGUMENT,
                     "apply_sequence_parallel: Ulysses gives each of the " + std::to_string(n) +
                         " ranks of the sequence-parallel group an equal share of the " + what +
@@ -192,10 +193,11 @@ class ZooNetwork : public Network {
       }
     }
     sp_ = std::move(group);
+    sp_mode_ = mode;
   }
 
   torch::Tensor LocalTargets(const torch::Tensor& targets) const override {
-    return SequenceShard(targets);
+    return SequenceShard(targets, 1);
   }
 
   torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
@@ -236,32 +238,45 @@ class ZooNetwork : public Network {
                                          ignore_index);
   }
 
-  // Under Ulysses, this rank's consecutive positions of [B, T, ...]; all of them otherwise.
-  torch::Tensor SequenceShard(const torch::Tensor& x) const {
+  bool Ring() const { return sp_.size > 1 && sp_mode_ == CAI_SEQUENCE_PARALLEL_RING_ATTN; }
+
+  // This rank's positions of `x` along `dim` (the whole sequence's length): under Ulysses the
+  // consecutive T/sp from rank·T/sp; under ring attention chunks rank and 2·sp − 1 − rank of
+  // 2·sp (the zigzag split); all of them otherwise.
+  torch::Tensor SequenceShard(const torch::Tensor& x, int64_t dim) const {
     if (sp_.size == 1) return x;
-    const int64_t t = x.size(1);
-    if (t % sp_.size != 0) {
+    const int64_t t = x.size(dim), parts = Ring() ? 2 * sp_.size : sp_.size;
+    if (t % parts != 0) {
       throw Error(CAI_INVALID_ARGUMENT,
-                  "sequence parallelism (all_to_all) gives each of the " +
-                      std::to_string(sp_.size) +
-                      " ranks of the sequence-parallel group an equal shard of the sequence: "
-                      "its length (" +
-                      std::to_string(t) +
-                      ") must divide by sp_size; choose train.seq_len a "
-                      "multiple of it");
+                  Ring() ? "sequence parallelism (ring_attn) cuts the sequence into 2 x sp_size "
+                           "= " +
+                               std::to_string(parts) +
+                               " equal chunks, two per rank of the sequence-parallel group: its "
+                               "length (" +
+                               std::to_string(t) + ") must divide by " + std::to_string(parts) +
+                               "; choose train.seq_len a multiple of it"
+                         : "sequence parallelism (all_to_all) gives each of the " +
+                               std::to_string(sp_.size) +
+                               " ranks of the sequence-parallel group an equal shard of the "
+                               "sequence: its length (" +
+                               std::to_string(t) +
+                               ") must divide by sp_size; choose train.seq_len a multiple of it");
     }
-    const int64_t part = t / sp_.size;
-    return x.slice(1, sp_.rank * part, (sp_.rank + 1) * part);
+    const int64_t c = t / parts, r = sp_.rank;
+    if (!Ring()) return x.slice(dim, r * c, (r + 1) * c);
+    return torch::cat(
+        {x.slice(dim, r * c, (r + 1) * c), x.slice(dim, (parts - 1 - r) * c, (parts - r) * c)},
+        dim);
   }
-  // Where this rank's positions start in the sequence.
-  int64_t SequenceOffset(int64_t local_length) const { return sp_.rank * local_length; }
 
   // Causal attention of q [B, Hq, t, D] over k, v [B, Hkv, t, D] (this rank's heads), merged
-  // to [B, t, Hq·D]. Under Ulysses t is this rank's shard of the positions: one all-to-all
-  // takes q, k, v packed to every position of 1/sp of the heads (key/value heads going with
-  // their queries' share), and one brings the output back.
+  // to [B, t, Hq·D]. Under sequence parallelism t is this rank's shard of the positions. Under
+  // Ulysses one all-to-all takes q, k, v packed to every position of 1/sp of the heads
+  // (key/value heads going with their queries' share), and one brings the output back; under
+  // ring attention the keys and values go around the group.
   torch::Tensor Attend(torch::Tensor q, torch::Tensor k, torch::Tensor v) const {
     const int64_t hq = q.size(1), hkv = k.size(1);
+    if (Ring()) return MergeHeads(tp::RingAttention(q, k, v, sp_));
     if (sp_.size > 1) {
       const int64_t s = sp_.size, b = q.size(0), t = q.size(2), d = q.size(3);
       auto per_rank = [&](const torch::Tensor& x) {
@@ -365,7 +380,8 @@ class ZooNetwork : public Network {
   int64_t padded_vocab_ = 0;
   bool gather_output_ = false;
   bool sequence_parallel_ = false;
-  TensorParallelGroup sp_;  // Ulysses' group (size 1: none)
+  TensorParallelGroup sp_;  // sequence parallelism's group (size 1: none)
+  int32_t sp_mode_ = 0;     // cai_sequence_parallel_mode
 };
 
 // GPT-2 (Radford et al. 2019) as nanoGPT writes it: learned positions, pre-LayerNorm blocks,
@@ -409,9 +425,9 @@ class Gpt2 final : public ZooNetwork {
 
   torch::Tensor Forward(size_t unit, const torch::Tensor& x) const override {
     if (unit == 0) {
-      const torch::Tensor tokens = SequenceShard(x);
-      const int64_t t = tokens.size(1), start = SequenceOffset(t);
-      torch::Tensor positions = W(wpe_).slice(0, start, start + t);
+      const torch::Tensor tokens = SequenceShard(x, 1);
+      const int64_t t = tokens.size(1);
+      torch::Tensor positions = SequenceShard(W(wpe_).slice(0, 0, x.size(1)), 0);
       if (sequence_parallel_) {  // this rank's rows [rank·t/size, (rank + 1)·t/size)
         const int64_t part = t / tp_.size;
         positions =
@@ -500,16 +516,16 @@ class Llama final : public ZooNetwork {
   }
 
   torch::Tensor Forward(size_t unit, const torch::Tensor& x) const override {
-    if (unit == 0) return Embed(embed_, SequenceShard(x));
+    if (unit == 0) return Embed(embed_, SequenceShard(x, 1));
     if (unit == size_t(Head())) return Column(RmsNorm(x, norm_), {{lm_head_, kNone}})[0];
     const Layer& y = layers_[unit - 1];
     const std::vector<torch::Tensor> qkv =
         Column(RmsNorm(x, y.attn_norm), {{y.q_w, y.q_b}, {y.k_w, y.k_b}, {y.v_w, y.v_b}});
     // The whole sequence under split_gather (the projections gathered it), this rank's shard
-    // of it under Ulysses, rotated at its positions before the all-to-all.
-    const int64_t t = qkv[0].size(1), start = SequenceOffset(t);
-    torch::Tensor cos = cos_.slice(0, start, start + t).to(x.device(), x.scalar_type());
-    torch::Tensor sin = sin_.slice(0, start, start + t).to(x.device(), x.scalar_type());
+    // of it under Ulysses and ring attention, rotated at its positions.
+    const int64_t whole = qkv[0].size(1) * sp_.size;
+    torch::Tensor cos = SequenceShard(cos_.slice(0, 0, whole), 0).to(x.device(), x.scalar_type());
+    torch::Tensor sin = SequenceShard(sin_.slice(0, 0, whole), 0).to(x.device(), x.scalar_type());
     torch::Tensor h = x + RowLinear(Attend(Rotate(SplitHeads(qkv[0], heads_), cos, sin),
                                            Rotate(SplitHeads(qkv[1], kv_heads_), cos, sin),
                                            SplitHeads(qkv[2], kv_heads_)),

@@ -5,8 +5,12 @@
 #include <torch/torch.h>
 
 #include <barrier>
+#include <condition_variable>
+#include <deque>
 #include <exception>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -47,13 +51,34 @@ class ThreadGroup {
       for (int j = 0; j < n_; ++j) out.view({n_, -1})[j].copy_(slots_[j][r]);
       barrier_.arrive_and_wait();
     };
+    // A mailbox per rank and channel: sending never waits, receiving waits for the message.
+    g.shift = [this, r](const torch::Tensor& send, const torch::Tensor& recv, int channel) {
+      Mailbox& to = mail_[(r + 1) % n_];
+      {
+        std::lock_guard<std::mutex> lock(to.mu);
+        to.queues[channel].push_back(send.clone());
+      }
+      to.cv.notify_all();
+      Mailbox& mine = mail_[r];
+      std::unique_lock<std::mutex> lock(mine.mu);
+      mine.cv.wait(lock, [&] { return !mine.queues[channel].empty(); });
+      recv.copy_(mine.queues[channel].front());
+      mine.queues[channel].pop_front();
+    };
     return g;
   }
 
  private:
+  struct Mailbox {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::map<int, std::deque<torch::Tensor>> queues;
+  };
+
   int n_;
   std::barrier<> barrier_;
   std::vector<torch::Tensor> slots_;
+  std::vector<Mailbox> mail_ = std::vector<Mailbox>(n_);
 };
 
 // Rank `rank` of a group of `size` with no collectives: for what fails before communicating

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Activation memory per rank against sequence length under libcai_hybrid_parallel's sequence
-parallelism (split_gather over tp_size 2; all_to_all, DeepSpeed-Ulysses, and ring_attn, ring
-attention, over sp_size 2), tensor parallelism alone (tp_size 2) and one rank, and the longest
+parallelism (split_gather and ring over tp_size 2; all_to_all, DeepSpeed-Ulysses, and
+ring_attn, ring attention, over sp_size 2), tensor parallelism alone (tp_size 2) and one rank, and the longest
 sequence each would fit in a memory limit per rank, extrapolated.
 
 Memory: LibTorch's peak over the training steps (summary.json framework_step_peak_bytes, the
@@ -38,6 +38,8 @@ MODES = {
     "1 rank": (1, ""),
     "tp 2": (2, "tp_size = 2\n"),
     "tp 2 + split_gather": (2, "tp_size = 2\nenable_sequence_parallelism = true\n"),
+    "tp 2 + ring": (2, 'tp_size = 2\nenable_sequence_parallelism = true\n'
+                       'sequence_parallelism_mode = "ring"\n'),
     "sp 2 all_to_all": (2, 'sp_size = 2\nenable_sequence_parallelism = true\n'
                            'sequence_parallelism_mode = "all_to_all"\n'),
     "sp 2 ring_attn": (2, 'sp_size = 2\nenable_sequence_parallelism = true\n'

@@ -1,8 +1,9 @@
 // libcai_hybrid_parallel: tensor and pipeline parallelism with data parallelism across the
 // replicas, as ColossalAI's HybridParallelPlugin; sequence parallelism in its split_gather mode
 // (Megatron-LM's, over the tensor-parallel group), its all_to_all mode (DeepSpeed-Ulysses, over
-// a group of sp_size ranks of its own) and its ring_attn mode (ring attention over the same
-// group, zigzag split); ring is refused.
+// a group of sp_size ranks of its own), its ring_attn mode (ring attention over the same
+// group, zigzag split) and its ring mode (split_gather with the gathers and reduce-scatters as
+// rings overlapping the projections' matmuls).
 //
 // Mesh. The world is dp_size × pp_size × sp_size × tp_size ranks, tensor parallelism innermost
 // (ColossalAI's dp-outside order): world rank = ((dp_rank · pp_size + pp_rank) · sp_size +
@@ -218,7 +219,9 @@ class HybridParallel {
                       "chunks, rank r holding chunks r and 2 x sp_size - 1 - r (zigzag, an equal "
                       "share of the causal work), keys and values passed around the "
                       "sequence-parallel group during attention; gradients reduced over dp x sp. "
-                      "ring is not in this version.",
+                      "ring (tp_size > 1): split_gather with each all-gather and reduce-scatter "
+                      "around the projections run as a ring of send/recv steps, each overlapping "
+                      "the matmul of a chunk already here (the same results and bytes).",
                       kSequenceModes),
             IntKey("pp_size", "1",
                    "Pipeline stages; the world must be a multiple of it (the rest is data "
@@ -279,21 +282,16 @@ class HybridParallel {
     tp_ = static_cast<int32_t>(config.Int("tp_size"));
     const bool enabled = config.Bool("enable_sequence_parallelism");
     const std::string& mode = config.String("sequence_parallelism_mode");
-    if (enabled && mode == "ring") {
-      throw Error(CAI_UNIMPLEMENTED,
-                  "hybrid_parallel: sequence_parallelism_mode = \"ring\" is not in this "
-                  "version; \"split_gather\" (Megatron-LM's, over the tensor-parallel group), "
-                  "\"all_to_all\" (DeepSpeed-Ulysses) and \"ring_attn\" (ring attention), "
-                  "both over sp_size ranks, are");
-    }
-    sequence_parallel_ = enabled && mode == "split_gather";
+    sequence_parallel_ = enabled && (mode == "split_gather" || mode == "ring");
+    ring_ = enabled && mode == "ring";
     if (enabled && mode == "all_to_all") sp_mode_ = CAI_SEQUENCE_PARALLEL_ALL_TO_ALL;
     if (enabled && mode == "ring_attn") sp_mode_ = CAI_SEQUENCE_PARALLEL_RING_ATTN;
     if (sequence_parallel_ && tp_ < 2) {
       throw Error(CAI_INVALID_ARGUMENT,
                   "hybrid_parallel: enable_sequence_parallelism with sequence_parallelism_mode "
-                  "= \"split_gather\" splits the sequence over the tensor-parallel group: set "
-                  "tp_size > 1");
+                  "= \"" +
+                      mode +
+                      "\" splits the sequence over the tensor-parallel group: set tp_size > 1");
     }
     sp_ = static_cast<int32_t>(config.Int("sp_size"));
     if (sp_mode_ != 0 && sp_ < 2) {
@@ -470,7 +468,8 @@ class HybridParallel {
 
     std::ostringstream line;
     line << "hybrid_parallel: dp " << dp_ << " x pp " << pp_ << " x sp " << sp_ << " x tp " << tp_
-         << (sequence_parallel_                             ? " (sequence parallelism split_gather)"
+         << (ring_                                          ? " (sequence parallelism ring)"
+             : sequence_parallel_                           ? " (sequence parallelism split_gather)"
              : sp_mode_ == CAI_SEQUENCE_PARALLEL_ALL_TO_ALL ? " (sequence parallelism all_to_all)"
              : sp_mode_ == CAI_SEQUENCE_PARALLEL_RING_ATTN  ? " (sequence parallelism ring_attn)"
                                                             : "")
@@ -901,6 +900,7 @@ class HybridParallel {
     a.sequence_parallel = sequence_parallel_;
     a.vocab_divisible_by = vocab_divisible_by_;
     a.gather_output = !parallel_output_;
+    a.sequence_parallel_ring = ring_;
     try {
       Check(Host().model->apply_tensor_parallel(model_, &a));
     } catch (const Error& e) {
@@ -1282,7 +1282,8 @@ class HybridParallel {
   int32_t tp_ = 1, pp_ = 1, dp_ = 1, sp_ = 1, tp_rank_ = 0, pp_rank_ = 0, dp_rank_ = 0,
           sp_rank_ = 0;
   bool parallel_output_ = true;
-  bool sequence_parallel_ = false;  // split_gather
+  bool sequence_parallel_ = false;  // split_gather or ring
+  bool ring_ = false;               // ring
   int32_t sp_mode_ = 0;             // cai_sequence_parallel_mode; 0: none or split_gather
   uint64_t kernels_ = 0;            // CAI_MODEL_KERNEL_*
   std::string ckpt_layers_text_;

@@ -223,9 +223,16 @@ typedef struct cai_tensor_parallel_args {
    * parallel_output = false); false: the loss is a distributed cross-entropy and no rank holds
    * the whole logits. */
   bool gather_output;
+  /* since 1.3, with sequence_parallel (ColossalAI's "ring"): the all-gather before each
+   * column-parallel projection and the reduce-scatter after each row-parallel one run as rings
+   * of size − 1 send/recv steps, each step's transfer overlapping the matmul of the chunk of
+   * the sequence already here (backward likewise). Same results and the same bytes on the wire
+   * as the collectives (a rank sends (size − 1)/size of the gathered or reduced tensor); the
+   * embedding's reduce-scatter, which has no matmul to hide behind, stays a collective. */
+  bool sequence_parallel_ring;
 } cai_tensor_parallel_args;
 #define CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE \
-  CAI_STRUCT_SIZE(cai_tensor_parallel_args, gather_output)
+  CAI_STRUCT_SIZE(cai_tensor_parallel_args, sequence_parallel_ring)
 
 /* Sequence parallelism over a group of its own (since 1.3, zoo models), apply_sequence_parallel.
  * Every rank of the group calls forward/backward on the same tokens and targets [B, T]; each

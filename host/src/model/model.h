@@ -89,6 +89,9 @@ struct TensorParallelOptions {
   // Megatron-LM's sequence parallelism (ColossalAI's "split_gather"): between the
   // tensor-parallel regions each rank holds 1/tp of the sequence.
   bool sequence_parallel = false;
+  // ColossalAI's "ring": with sequence_parallel, the gathers and reduce-scatters around the
+  // projections as send/recv rings overlapping the chunks' matmuls.
+  bool ring = false;
 };
 
 // A stage's output activation (owned tensor with its autograd history). Opaque.

@@ -231,6 +231,14 @@ cai_status* ApplyTensorParallel(cai_model* model, const cai_tensor_parallel_args
     if (CAI_HAS_FIELD(args, cai_tensor_parallel_args, gather_output)) {
       options.gather_output = args->gather_output;
     }
+    if (CAI_HAS_FIELD(args, cai_tensor_parallel_args, sequence_parallel_ring)) {
+      options.ring = args->sequence_parallel_ring;
+      if (options.ring && !options.sequence_parallel) {
+        throw Error(CAI_INVALID_ARGUMENT,
+                    "apply_tensor_parallel: sequence_parallel_ring overlaps sequence "
+                    "parallelism's gathers and reduce-scatters; set sequence_parallel too");
+      }
+    }
     m->ApplyTensorParallel(args->group, options);
   });
 }

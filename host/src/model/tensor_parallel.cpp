@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <future>
 #include <limits>
 #include <string>
@@ -114,21 +115,86 @@ struct ScatterSeq : torch::autograd::Function<ScatterSeq> {
   }
 };
 
+// ---- Rings: size − 1 shift steps, each overlapping the compute on what is already here ------
+
+// The kinds of message a ring sends, on channels of their own so that two rings in flight at
+// once (keys and values moving on while gradients return) never take each other's place.
+constexpr int kRingForward = 0, kRingReturn = 1;
+
+// `send` around the ring into a new tensor, on a thread of its own so that it overlaps the
+// step's compute; get() waits for it and rethrows its failure.
+std::future<torch::Tensor> ShiftAsync(const TensorParallelGroup& g, torch::Tensor send,
+                                      int channel) {
+  return std::async(std::launch::async, [&g, send = std::move(send), channel] {
+    torch::Tensor recv = torch::empty_like(send);
+    g.shift(send, recv, channel);
+    return recv;
+  });
+}
+
+// An all-gather as a ring: fn(chunk, j) for every rank j's `chunk` (this rank's first), each
+// call overlapping the next chunk's transfer.
+void RingGather(const TensorParallelGroup& g, torch::Tensor chunk,
+                const std::function<void(const torch::Tensor&, int64_t)>& fn) {
+  chunk = chunk.contiguous();
+  for (int64_t step = 0; step < g.size; ++step) {
+    std::future<torch::Tensor> next;
+    if (step + 1 < g.size) next = ShiftAsync(g, chunk, kRingForward);
+    fn(chunk, (g.rank - step + g.size) % g.size);
+    if (next.valid()) chunk = next.get();
+  }
+}
+
+// A reduce-scatter as a ring: partial(j), this rank's addend to rank j's part of the sum, is
+// computed for j = rank − 1, rank − 2, ..., rank while the sum so far travels to the next rank,
+// which adds its own; the last step's is this rank's part.
+torch::Tensor RingReduceScatter(const TensorParallelGroup& g,
+                                const std::function<torch::Tensor(int64_t)>& partial) {
+  std::future<torch::Tensor> moving;
+  for (int64_t step = 0;; ++step) {
+    torch::Tensor sum = partial((g.rank - 1 - step + 2 * g.size) % g.size);
+    if (moving.valid()) sum = sum.add_(moving.get());
+    if (step + 1 == g.size) return sum;
+    moving = ShiftAsync(g, sum.contiguous(), kRingReturn);
+  }
+}
+
+// Rows [j·t, (j + 1)·t) of dimension 1.
+torch::Tensor Chunk(const torch::Tensor& x, int64_t j, int64_t t) {
+  return x.slice(1, j * t, (j + 1) * t);
+}
+
 struct GatheredLinear : torch::autograd::Function<GatheredLinear> {
   // `biases` holds the defined ones; `has_bias` says which projection each belongs to.
   // The lists travel as TensorList: autograd tracks the tensors of a TensorList argument (and
   // would take a std::vector for a constant).
   static variable_list forward(AutogradContext* ctx, torch::Tensor x, at::TensorList weights,
-                               at::TensorList biases, std::vector<int64_t> has_bias,
-                               int64_t group) {
+                               at::TensorList biases, std::vector<int64_t> has_bias, int64_t group,
+                               bool ring) {
     ctx->saved_data["group"] = group;
     ctx->saved_data["has_bias"] = has_bias;
-    const torch::Tensor whole = AllGatherSequence(x, GroupOf(group));
+    ctx->saved_data["ring"] = ring;
+    const TensorParallelGroup& g = GroupOf(group);
+    std::vector<torch::Tensor> bias(weights.size());
+    for (size_t i = 0, next = 0; i < weights.size(); ++i) {
+      if (has_bias[i]) bias[i] = biases[next++];
+    }
     variable_list out;
-    size_t next_bias = 0;
-    for (size_t i = 0; i < weights.size(); ++i) {
-      out.push_back(
-          torch::linear(whole, weights[i], has_bias[i] ? biases[next_bias++] : torch::Tensor()));
+    if (ring) {
+      const int64_t t = x.size(1);
+      for (const torch::Tensor& w : weights) {
+        out.push_back(torch::empty({x.size(0), g.size * t, w.size(0)}, x.options()));
+      }
+      RingGather(g, x, [&](const torch::Tensor& chunk, int64_t j) {
+        for (size_t i = 0; i < weights.size(); ++i) {
+          Chunk(out[i], j, t).copy_(torch::linear(chunk, weights[i], bias[i]));
+        }
+      });
+    } else {
+      const torch::Tensor whole = AllGatherSequence(x, g);
+      for (size_t i = 0; i < weights.size(); ++i) {
+        out.push_back(torch::linear(whole, weights[i], bias[i]));
+      }
     }
     variable_list saved = {x};
     saved.insert(saved.end(), weights.begin(), weights.end());
@@ -139,6 +205,7 @@ struct GatheredLinear : torch::autograd::Function<GatheredLinear> {
     const variable_list saved = ctx->get_saved_variables();
     const std::vector<int64_t> has_bias = ctx->saved_data["has_bias"].toIntVector();
     const TensorParallelGroup& g = GroupOf(ctx);
+    if (ctx->saved_data["ring"].toBool()) return RingBackward(saved, grads, has_bias, g);
     const torch::Tensor whole = AllGatherSequence(saved[0], g);
     const torch::Tensor rows = whole.reshape({-1, whole.size(-1)});
     torch::Tensor dwhole;
@@ -162,7 +229,86 @@ struct GatheredLinear : torch::autograd::Function<GatheredLinear> {
     out.insert(out.end(), dbiases.begin(), dbiases.end());
     out.emplace_back();  // has_bias
     out.emplace_back();  // group
+    out.emplace_back();  // ring
     return out;
+  }
+
+  // The input's chunks gathered again ring-wise, each one's weight gradients computed as it
+  // comes; then the input's gradient reduce-scattered ring-wise, each rank's chunk computed as
+  // the sum so far travels.
+  static variable_list RingBackward(const variable_list& saved, const variable_list& grads,
+                                    const std::vector<int64_t>& has_bias,
+                                    const TensorParallelGroup& g) {
+    const torch::Tensor& x = saved[0];
+    const int64_t t = x.size(1);
+    variable_list dweights(has_bias.size()), dbiases;
+    for (size_t i = 0; i < has_bias.size(); ++i) {
+      if (grads[i].defined()) dweights[i] = torch::zeros_like(saved[1 + i]);
+      if (has_bias[i]) {
+        dbiases.push_back(grads[i].defined() ? grads[i].sum(std::vector<int64_t>{0, 1})
+                                             : torch::Tensor());
+      }
+    }
+    RingGather(g, x, [&](const torch::Tensor& chunk, int64_t j) {
+      const torch::Tensor rows = chunk.reshape({-1, chunk.size(-1)});
+      for (size_t i = 0; i < has_bias.size(); ++i) {
+        if (!grads[i].defined()) continue;
+        const torch::Tensor dy = Chunk(grads[i], j, t);
+        dweights[i].add_(dy.reshape({-1, dy.size(-1)}).t().mm(rows));
+      }
+    });
+    bool any = false;
+    for (const torch::Tensor& dy : grads) any = any || dy.defined();
+    variable_list out = {any ? RingReduceScatter(g,
+                                                 [&](int64_t j) {
+                                                   torch::Tensor dx;
+                                                   for (size_t i = 0; i < has_bias.size(); ++i) {
+                                                     if (!grads[i].defined()) continue;
+                                                     torch::Tensor part =
+                                                         Chunk(grads[i], j, t).matmul(saved[1 + i]);
+                                                     dx = dx.defined() ? dx.add_(part) : part;
+                                                   }
+                                                   return dx;
+                                                 })
+                             : torch::Tensor()};
+    out.insert(out.end(), dweights.begin(), dweights.end());
+    out.insert(out.end(), dbiases.begin(), dbiases.end());
+    out.emplace_back();  // has_bias
+    out.emplace_back();  // group
+    out.emplace_back();  // ring
+    return out;
+  }
+};
+
+// The row-parallel projection with its reduce-scatter as a ring (RingScatteredLinear).
+struct RingScattered : torch::autograd::Function<RingScattered> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
+                               int64_t group) {
+    const TensorParallelGroup& g = GroupOf(group);
+    if (x.size(1) % g.size != 0) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "sequence parallelism splits the sequence over the tensor-parallel group: the "
+                  "sequence length (" +
+                      std::to_string(x.size(1)) + ") must divide by tp (" + std::to_string(g.size) +
+                      "); choose train.seq_len a multiple of tp_size");
+    }
+    const int64_t t = x.size(1) / g.size;
+    ctx->saved_data["group"] = group;
+    ctx->save_for_backward({x, weight});
+    return RingReduceScatter(g, [&](int64_t j) { return torch::linear(Chunk(x, j, t), weight); });
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &x = saved[0], &weight = saved[1];
+    const TensorParallelGroup& g = GroupOf(ctx);
+    const int64_t t = x.size(1) / g.size;
+    torch::Tensor dx = torch::empty_like(x), dweight = torch::zeros_like(weight);
+    RingGather(g, grads[0], [&](const torch::Tensor& dy, int64_t j) {
+      const torch::Tensor xj = Chunk(x, j, t);
+      Chunk(dx, j, t).copy_(dy.matmul(weight));
+      dweight.add_(dy.reshape({-1, dy.size(-1)}).t().mm(xj.reshape({-1, xj.size(-1)})));
+    });
+    return {dx, dweight, torch::Tensor()};
   }
 };
 
@@ -267,10 +413,6 @@ RingStep StepOf(int64_t rank, int64_t source, int64_t t) {
 
 // Query rows per tile: the scores held at once are a tile's rows against one block's keys.
 constexpr int64_t kRingTile = 128;
-// The two kinds of message a step sends, on channels of their own so that the keys and values
-// moving on and the gradients returning (two threads) never take each other's place.
-constexpr int kRingKeysValues = 0, kRingGradients = 1;
-
 // k or v [B, Hkv, t, D] for queries of `group` heads each: repeated as attention reads them.
 torch::Tensor Expand(const torch::Tensor& x, int64_t group) {
   return group == 1 ? x : x.repeat_interleave(group, 1);
@@ -288,17 +430,6 @@ std::pair<torch::Tensor, torch::Tensor> StepKeysValues(const torch::Tensor& kv, 
           Expand(kv[1].slice(2, st.k0, st.k1), heads_per_kv)};
 }
 
-// `send` around the ring into a new tensor, on a thread of its own so that it overlaps the
-// step's compute; get() waits for it and rethrows its failure.
-std::future<torch::Tensor> ShiftAsync(const TensorParallelGroup& g, torch::Tensor send,
-                                      int channel) {
-  return std::async(std::launch::async, [&g, send = std::move(send), channel] {
-    torch::Tensor recv = torch::empty_like(send);
-    g.shift(send, recv, channel);
-    return recv;
-  });
-}
-
 struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor q, torch::Tensor k,
                                torch::Tensor v, int64_t group) {
@@ -314,7 +445,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     torch::Tensor kv = torch::stack({k, v});
     for (int64_t step = 0; step < g.size; ++step) {
       std::future<torch::Tensor> next;
-      if (step + 1 < g.size) next = ShiftAsync(g, kv, kRingKeysValues);
+      if (step + 1 < g.size) next = ShiftAsync(g, kv, kRingForward);
       const RingStep st = StepOf(g.rank, (g.rank - step + g.size) % g.size, t);
       const auto [ks, vs] = StepKeysValues(kv, st, heads_per_kv);
       for (int64_t i0 = st.q0; i0 < st.q1; i0 += kRingTile) {
@@ -361,7 +492,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     std::future<torch::Tensor> returning;
     for (int64_t step = 0; step < g.size; ++step) {
       std::future<torch::Tensor> next;
-      if (step + 1 < g.size) next = ShiftAsync(g, kv, kRingKeysValues);
+      if (step + 1 < g.size) next = ShiftAsync(g, kv, kRingForward);
       const RingStep st = StepOf(g.rank, (g.rank - step + g.size) % g.size, t);
       const auto [ks, vs] = StepKeysValues(kv, st, heads_per_kv);
       torch::Tensor dks = torch::zeros(ks.sizes(), dq.options());
@@ -388,7 +519,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       if (returning.valid()) dkv.add_(returning.get());
       if (next.valid()) kv = next.get();
       // On to the rank that now holds the block; after the last step, home to its owner.
-      returning = ShiftAsync(g, dkv, kRingGradients);
+      returning = ShiftAsync(g, dkv, kRingReturn);
     }
     const torch::Tensor dkv = returning.get();
     return {dq.to(type), dkv[0].to(type), dkv[1].to(type), torch::Tensor()};
@@ -439,7 +570,7 @@ torch::Tensor SequenceShardLoss(const torch::Tensor& mean, const torch::Tensor& 
 std::vector<torch::Tensor> GatheredLinears(const torch::Tensor& x,
                                            const std::vector<torch::Tensor>& weights,
                                            const std::vector<torch::Tensor>& biases,
-                                           const TensorParallelGroup& group) {
+                                           const TensorParallelGroup& group, bool ring) {
   variable_list defined;
   std::vector<int64_t> has_bias;
   for (const torch::Tensor& b : biases) {
@@ -447,7 +578,11 @@ std::vector<torch::Tensor> GatheredLinears(const torch::Tensor& x,
     if (b.defined()) defined.push_back(b);
   }
   return GatheredLinear::apply(x, at::TensorList(weights), at::TensorList(defined), has_bias,
-                               Handle(group));
+                               Handle(group), ring);
+}
+torch::Tensor RingScatteredLinear(const torch::Tensor& x, const torch::Tensor& weight,
+                                  const TensorParallelGroup& group) {
+  return RingScattered::apply(x, weight, Handle(group));
 }
 torch::Tensor VocabParallelCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
                                         const TensorParallelGroup& group, int64_t start,

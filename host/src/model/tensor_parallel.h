@@ -36,10 +36,19 @@ torch::Tensor ScatterSequence(const torch::Tensor& x, const TensorParallelGroup&
 // (an undefined b_i: none), keeping only the shard for backward, which gathers it again
 // (Megatron-LM's sequence-parallel linear layers): the whole input is never held between
 // forward and backward.
+// With `ring` (ColossalAI's "ring" mode) the gather is size − 1 shift steps, each overlapping
+// the projections of the chunk already here; backward gathers again the same way for the
+// weight gradients and reduce-scatters the input's gradient ring-wise.
 std::vector<torch::Tensor> GatheredLinears(const torch::Tensor& x,
                                            const std::vector<torch::Tensor>& weights,
                                            const std::vector<torch::Tensor>& biases,
-                                           const TensorParallelGroup& group);
+                                           const TensorParallelGroup& group, bool ring = false);
+// A row-parallel projection x·Wᵀ (x [B, T, part], every position) reduce-scattered into this
+// rank's sequence shard [B, T/size, out] as a ring: each step computes the partial sums of one
+// rank's chunk while the previous step's travel on (ColossalAI's "ring"). Backward gathers the
+// output's gradient the same way, each chunk's input and weight gradients computed as it comes.
+torch::Tensor RingScatteredLinear(const torch::Tensor& x, const torch::Tensor& weight,
+                                  const TensorParallelGroup& group);
 // DeepSpeed-Ulysses (Jacobs et al. 2023) over the sequence-parallel group: [B, H, T/size, D],
 // this rank's positions of every head, to [B, H/size, T, D], the whole sequence of this rank's
 // heads [rank·H/size, (rank + 1)·H/size); and back. Each one all-to-all, backward the other.

@@ -165,6 +165,7 @@ class ZooNetwork : public Network {
     kv_heads_ = n_kv_head_ / n;
     gather_output_ = options.gather_output;
     sequence_parallel_ = options.sequence_parallel && n > 1;
+    ring_ = sequence_parallel_ && options.ring;
     tp_ = std::move(group);
   }
 
@@ -316,7 +317,7 @@ class ZooNetwork : public Network {
         weights.push_back(W(w));
         biases.push_back(Wb(b));
       }
-      return tp::GatheredLinears(x, weights, biases, tp_);
+      return tp::GatheredLinears(x, weights, biases, tp_, ring_);
     }
     const torch::Tensor in = tp_.size == 1 ? x : tp::CopyToGroup(x, tp_);
     std::vector<torch::Tensor> out;
@@ -327,8 +328,9 @@ class ZooNetwork : public Network {
   // parallelism reduce-scattered into sequence shards), the bias added once.
   torch::Tensor RowLinear(const torch::Tensor& x, uint32_t w, uint32_t b) const {
     if (tp_.size == 1) return Linear(x, W(w), Wb(b));
-    torch::Tensor y = sequence_parallel_ ? tp::ScatterSequence(Linear(x, W(w), {}), tp_)
-                                         : tp::ReduceFromGroup(Linear(x, W(w), {}), tp_);
+    torch::Tensor y = ring_                ? tp::RingScatteredLinear(x, W(w), tp_)
+                      : sequence_parallel_ ? tp::ScatterSequence(Linear(x, W(w), {}), tp_)
+                                           : tp::ReduceFromGroup(Linear(x, W(w), {}), tp_);
     return b == kNone ? y : y + Shard(b);
   }
   // A replicated parameter read between the tensor-parallel regions (norms, row-parallel
@@ -380,6 +382,7 @@ class ZooNetwork : public Network {
   int64_t padded_vocab_ = 0;
   bool gather_output_ = false;
   bool sequence_parallel_ = false;
+  bool ring_ = false;       // sequence_parallel_'s gathers and reduce-scatters as overlapped rings
   TensorParallelGroup sp_;  // sequence parallelism's group (size 1: none)
   int32_t sp_mode_ = 0;     // cai_sequence_parallel_mode
 };

@@ -740,10 +740,16 @@ TEST(ModelApi, BadArguments_ReturnStatusesNamingThem) {
   s = Take(api->zero_grad(nullptr, true));
   EXPECT_EQ(s.message, "zero_grad: model is NULL");
   cai_tensor_parallel_args tp{
-      CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE, nullptr, nullptr, false, -1, false};
+      CAI_TENSOR_PARALLEL_ARGS_STRUCT_SIZE, nullptr, nullptr, false, -1, false, false};
   s = Take(api->apply_tensor_parallel(h, &tp));
   EXPECT_EQ(s.message, "apply_tensor_parallel: vocab_divisible_by must be >= 0, got -1");
   tp.vocab_divisible_by = 1;
+  tp.sequence_parallel_ring = true;
+  s = Take(api->apply_tensor_parallel(h, &tp));
+  EXPECT_EQ(s.message,
+            "apply_tensor_parallel: sequence_parallel_ring overlaps sequence parallelism's "
+            "gathers and reduce-scatters; set sequence_parallel too");
+  tp.sequence_parallel_ring = false;
   s = Take(api->apply_tensor_parallel(h, &tp));  // no communicator in this process
   EXPECT_EQ(s.code, CAI_FAILED_PRECONDITION);
   EXPECT_NE(s.message.find("communicator is not initialised"), std::string::npos) << s.message;

@@ -649,9 +649,10 @@ TEST(HybridParallel, Ulysses_BadConfigurationsFailClearly) {
        {"sp_size x tp_size = 1 x 2 x 2 does not divide the world of 2"}},
       {2, Ulysses(1), {}, {"splits the sequence over a group of sp_size ranks: set sp_size > 1"}},
       {2,
-       {"enable_sequence_parallelism=true", "sequence_parallelism_mode=\"ring\"", "sp_size=2"},
+       {"enable_sequence_parallelism=true", "sequence_parallelism_mode=\"ring\""},
        {},
-       {"sequence_parallelism_mode = \"ring\" is not in this version", "ring_attn"}},
+       {"sequence_parallelism_mode = \"ring\" splits the sequence over the tensor-parallel "
+        "group: set tp_size > 1"}},
       {2,
        Ulysses(2),
        {"model.kind=torchscript",
@@ -793,12 +794,88 @@ TEST(HybridParallel, RingAttn_BadConfigurationsFailClearly) {
       << one.output;
 }
 
+// ---- split_gather as rings (sequence_parallelism_mode = "ring") --------------------------------
+
+const std::vector<std::string> kRing = {"enable_sequence_parallelism=true",
+                                        "sequence_parallelism_mode=\"ring\""};
+
+std::vector<std::string> Ring(int tp, std::vector<std::string> more = {}) {
+  more.insert(more.begin(), kRing.begin(), kRing.end());
+  more.push_back("tp_size=" + std::to_string(tp));
+  return more;
+}
+
+// The all-gathers before the column-parallel projections and the reduce-scatters after the
+// row-parallel ones as rings of tp − 1 steps: tp 2 and 3 (three chunks per ring).
+TEST(HybridParallel, SequenceParallelRing_Tp2AndTp3MatchReference) {
+  const TrainRun ref = Reference("gpt_sp", kSpGpt);
+  for (int tp : {2, 3}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    const TrainRun run = Hybrid("ring_tp" + std::to_string(tp), tp, Ring(tp), kSpGpt);
+    ExpectMatches(ref, run, kFp32Tolerance);
+    for (double norm : run.grad_norms) EXPECT_GT(norm, 0.05);  // clipping active
+    EXPECT_NE(run.output.find("(sequence parallelism ring)"), std::string::npos) << run.output;
+  }
+}
+
+// Llama with GQA and plain SGD (no clipping), a pipeline, every block recomputed.
+TEST(HybridParallel, SequenceParallelRing_LlamaPlainSgdPipelineAndRecomputeMatchReference) {
+  const TrainRun ref = Reference("gpt_sp", kSpGpt);
+  std::vector<std::string> llama = {"model.kind=llama", "model.n_kv_head=2", "train.seq_len=18"};
+  llama.insert(llama.end(), cai::testing::kPlainSgdSets.begin(), cai::testing::kPlainSgdSets.end());
+  ExpectMatches(Reference("llama_sgd_ring", llama), Hybrid("ring_llama_sgd", 2, Ring(2), llama),
+                kFp32Tolerance);
+  ExpectMatches(ref, Hybrid("ring_tp2_pp2", 4, Ring(2, {"pp_size=2"}), kSpGpt), kFp32Tolerance);
+  std::vector<std::string> recompute = kSpGpt;
+  recompute.push_back("model.activation_checkpointing=true");
+  ExpectMatches(ref, Hybrid("ring_recompute", 2, Ring(2), recompute), kFp32Tolerance);
+}
+
+// Bytes per step against split_gather's. Every gather and reduce-scatter around a projection
+// becomes tp − 1 sends: a ring all-gather sends (tp − 1) × the shard a collective one is handed,
+// a ring reduce-scatter (tp − 1)/tp × the partial sums; the embedding's reduce-scatter (forward)
+// and all-gather (backward), with no matmul to hide behind, stay collectives: B·T·e and
+// B·(T/tp)·e elements per micro-batch. The all-reduces are the same.
+TEST(HybridParallel, SequenceParallelRing_CommunicationMatchesFormula) {
+  const TrainRun ring = Hybrid("ring_tp2_zero1", 2, Ring(2, {"zero_stage=1"}), kTpGpt);
+  const TrainRun sg = Hybrid(
+      "sg_tp2_zero1", 2, {"tp_size=2", "zero_stage=1", "enable_sequence_parallelism=true"}, kTpGpt);
+  const TrainRun tp = Hybrid("tp2_zero1", 2, {"tp_size=2", "zero_stage=1"}, kTpGpt);
+  for (const TrainRun* run : {&ring, &sg, &tp}) ASSERT_EQ(run->exit_code, 0) << run->output;
+  const double micro_batches = 4, B = 8 / micro_batches, T = 16, e = 48, t = 2;
+  auto bytes = [](const TrainRun& run, const char* op) {
+    const std::vector<double> v = cai::testing::PerRank(run, "comm_bytes_per_step_mean", op);
+    EXPECT_EQ(v.size(), 2u) << op << ": " << run.summary;
+    return v.size() == 2u ? v : std::vector<double>(2, 0.0);
+  };
+  const std::vector<double> sent = bytes(ring, "send"), received = bytes(ring, "recv");
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const double ring_gather = bytes(ring, "all_gather")[r] - bytes(tp, "all_gather")[r];
+    const double ring_scatter = bytes(ring, "reduce_scatter")[r] - bytes(tp, "reduce_scatter")[r];
+    const double sg_gather = bytes(sg, "all_gather")[r] - bytes(tp, "all_gather")[r];
+    const double sg_scatter = bytes(sg, "reduce_scatter")[r] - bytes(tp, "reduce_scatter")[r];
+    EXPECT_EQ(ring_gather, 4 * micro_batches * B * (T / t) * e);
+    EXPECT_EQ(ring_scatter, 4 * micro_batches * B * T * e);
+    EXPECT_EQ(sent[r],
+              (t - 1) * (sg_gather - ring_gather) + (t - 1) / t * (sg_scatter - ring_scatter));
+    EXPECT_GT(sent[r], 0);
+    EXPECT_EQ(received[r], sent[r]);
+    EXPECT_EQ(bytes(ring, "all_reduce")[r], bytes(sg, "all_reduce")[r]);
+  }
+}
+
 TEST(HybridParallel, SequenceParallel_OddSequenceFailsClearly) {
-  const TrainRun odd =
-      Hybrid("sp_odd", 2, {"tp_size=2", "enable_sequence_parallelism=true"}, {"train.seq_len=15"});
-  EXPECT_NE(odd.exit_code, 0);
-  EXPECT_NE(odd.output.find("the sequence length (15) must divide by tp (2)"), std::string::npos)
-      << odd.output;
+  for (const char* mode : {"split_gather", "ring"}) {
+    SCOPED_TRACE(mode);
+    const TrainRun odd = Hybrid(std::string("sp_odd_") + mode, 2,
+                                {"tp_size=2", "enable_sequence_parallelism=true",
+                                 "sequence_parallelism_mode=\"" + std::string(mode) + "\""},
+                                {"train.seq_len=15"});
+    EXPECT_NE(odd.exit_code, 0);
+    EXPECT_NE(odd.output.find("the sequence length (15) must divide by tp (2)"), std::string::npos)
+        << odd.output;
+  }
 }
 
 // A TorchScript GPT (tests/host/model/script_gpt.h) split by a policy file, Shardformer's

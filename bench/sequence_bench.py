@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """Activation memory per rank against sequence length under libcai_hybrid_parallel's sequence
 parallelism (split_gather and ring over tp_size 2; all_to_all, DeepSpeed-Ulysses, and
-ring_attn, ring attention, over sp_size 2), tensor parallelism alone (tp_size 2) and one rank, and the longest
-sequence each would fit in a memory limit per rank, extrapolated.
+ring_attn, ring attention, over sp_size 2), tensor parallelism alone (tp_size 2) and one rank,
+and the longest sequence each would fit in a memory limit per rank, extrapolated.
 
 Memory: LibTorch's peak over the training steps (summary.json framework_step_peak_bytes, the
 largest rank's), which holds the activations and the step's temporaries; the parameters,

@@ -419,7 +419,6 @@ torch::Tensor Expand(const torch::Tensor& x, int64_t group) {
 }
 // The gradient of Expand: a key/value head's queries' gradients summed.
 torch::Tensor Contract(const torch::Tensor& x, int64_t group) {
-  if (group == 1) return x;
   return x.view({x.size(0), x.size(1) / group, group, x.size(2), x.size(3)}).sum(2);
 }
 
@@ -495,8 +494,12 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       if (step + 1 < g.size) next = ShiftAsync(g, kv, kRingForward);
       const RingStep st = StepOf(g.rank, (g.rank - step + g.size) % g.size, t);
       const auto [ks, vs] = StepKeysValues(kv, st, heads_per_kv);
-      torch::Tensor dks = torch::zeros(ks.sizes(), dq.options());
-      torch::Tensor dvs = torch::zeros(vs.sizes(), dq.options());
+      // The block's gradient; without grouped heads the step accumulates into it in place.
+      torch::Tensor dkv = torch::zeros(kv.sizes(), dq.options());
+      const torch::Tensor dk_rows = dkv[0].slice(2, st.k0, st.k1);
+      const torch::Tensor dv_rows = dkv[1].slice(2, st.k0, st.k1);
+      torch::Tensor dks = heads_per_kv == 1 ? dk_rows : torch::zeros(ks.sizes(), dq.options());
+      torch::Tensor dvs = heads_per_kv == 1 ? dv_rows : torch::zeros(vs.sizes(), dq.options());
       for (int64_t i0 = st.q0; i0 < st.q1; i0 += kRingTile) {
         const int64_t i1 = std::min(st.q1, i0 + kRingTile);
         const torch::Tensor qi = q.slice(2, i0, i1), doi = dout.slice(2, i0, i1);
@@ -513,9 +516,10 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
         dq.slice(2, i0, i1).add_(torch::matmul(ds, ks).to(torch::kFloat));
         dks.add_(torch::matmul(ds.transpose(-2, -1), qi).to(torch::kFloat));
       }
-      torch::Tensor dkv = torch::zeros(kv.sizes(), dq.options());
-      dkv[0].slice(2, st.k0, st.k1).copy_(Contract(dks, heads_per_kv));
-      dkv[1].slice(2, st.k0, st.k1).copy_(Contract(dvs, heads_per_kv));
+      if (heads_per_kv > 1) {
+        dk_rows.copy_(Contract(dks, heads_per_kv));
+        dv_rows.copy_(Contract(dvs, heads_per_kv));
+      }
       if (returning.valid()) dkv.add_(returning.get());
       if (next.valid()) kv = next.get();
       // On to the rank that now holds the block; after the last step, home to its owner.

@@ -965,8 +965,9 @@ void Model::EnableKernels(uint64_t kernels) { impl_->net->EnableKernels(kernels)
 
 namespace {
 
-// Ring attention's point-to-point messages on a sequence-parallel group; in order per pair of
-// ranks, as every rank runs the same steps.
+// The tag of the rings' point-to-point messages (ring attention on a sequence-parallel group,
+// the ring mode's gathers and reduce-scatters on a tensor-parallel one), plus the channel;
+// matched in order per pair of ranks, as every rank runs the same steps.
 constexpr int32_t kRingTag = 0x52494e47;  // "RING"
 
 // `group` of the host's communicator as the collectives a network calls; `what` names the call

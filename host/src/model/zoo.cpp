@@ -239,32 +239,33 @@ class ZooNetwork : public Network {
                                          ignore_index);
   }
 
-  bool Ring() const { return sp_.size > 1 && sp_mode_ == CAI_SEQUENCE_PARALLEL_RING_ATTN; }
+  bool RingAttn() const { return sp_.size > 1 && sp_mode_ == CAI_SEQUENCE_PARALLEL_RING_ATTN; }
 
   // This rank's positions of `x` along `dim` (the whole sequence's length): under Ulysses the
   // consecutive T/sp from rank·T/sp; under ring attention chunks rank and 2·sp − 1 − rank of
   // 2·sp (the zigzag split); all of them otherwise.
   torch::Tensor SequenceShard(const torch::Tensor& x, int64_t dim) const {
     if (sp_.size == 1) return x;
-    const int64_t t = x.size(dim), parts = Ring() ? 2 * sp_.size : sp_.size;
+    const int64_t t = x.size(dim), parts = RingAttn() ? 2 * sp_.size : sp_.size;
     if (t % parts != 0) {
       throw Error(CAI_INVALID_ARGUMENT,
-                  Ring() ? "sequence parallelism (ring_attn) cuts the sequence into 2 x sp_size "
-                           "= " +
-                               std::to_string(parts) +
-                               " equal chunks, two per rank of the sequence-parallel group: its "
-                               "length (" +
-                               std::to_string(t) + ") must divide by " + std::to_string(parts) +
-                               "; choose train.seq_len a multiple of it"
-                         : "sequence parallelism (all_to_all) gives each of the " +
-                               std::to_string(sp_.size) +
-                               " ranks of the sequence-parallel group an equal shard of the "
-                               "sequence: its length (" +
-                               std::to_string(t) +
-                               ") must divide by sp_size; choose train.seq_len a multiple of it");
+                  RingAttn()
+                      ? "sequence parallelism (ring_attn) cuts the sequence into 2 x sp_size "
+                        "= " +
+                            std::to_string(parts) +
+                            " equal chunks, two per rank of the sequence-parallel group: its "
+                            "length (" +
+                            std::to_string(t) + ") must divide by " + std::to_string(parts) +
+                            "; choose train.seq_len a multiple of it"
+                      : "sequence parallelism (all_to_all) gives each of the " +
+                            std::to_string(sp_.size) +
+                            " ranks of the sequence-parallel group an equal shard of the "
+                            "sequence: its length (" +
+                            std::to_string(t) +
+                            ") must divide by sp_size; choose train.seq_len a multiple of it");
     }
     const int64_t c = t / parts, r = sp_.rank;
-    if (!Ring()) return x.slice(dim, r * c, (r + 1) * c);
+    if (!RingAttn()) return x.slice(dim, r * c, (r + 1) * c);
     return torch::cat(
         {x.slice(dim, r * c, (r + 1) * c), x.slice(dim, (parts - 1 - r) * c, (parts - r) * c)},
         dim);
@@ -277,7 +278,7 @@ class ZooNetwork : public Network {
   // ring attention the keys and values go around the group.
   torch::Tensor Attend(torch::Tensor q, torch::Tensor k, torch::Tensor v) const {
     const int64_t hq = q.size(1), hkv = k.size(1);
-    if (Ring()) return MergeHeads(tp::RingAttention(q, k, v, sp_));
+    if (RingAttn()) return MergeHeads(tp::RingAttention(q, k, v, sp_));
     if (sp_.size > 1) {
       const int64_t s = sp_.size, b = q.size(0), t = q.size(2), d = q.size(3);
       auto per_rank = [&](const torch::Tensor& x) {

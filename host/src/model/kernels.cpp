@@ -149,13 +149,50 @@ torch::Tensor FutureMask(int64_t q0, int64_t q1, int64_t k0, int64_t k1, const t
 }
 
 namespace {
+// The tile's scores against the block in fp32, masked.
+torch::Tensor Scores(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& future) {
+  torch::Tensor s = torch::matmul(q, k.transpose(-2, -1))
+                        .to(torch::kFloat)
+                        .mul_(1.0 / std::sqrt(double(q.size(3))));
+  if (future.defined()) s.masked_fill_(future, -std::numeric_limits<float>::infinity());
+  return s;
+}
+}  // namespace
+
+void AttendBlock(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                 const torch::Tensor& future, const torch::Tensor& m, const torch::Tensor& l,
+                 const torch::Tensor& acc) {
+  torch::Tensor s = Scores(q, k, future);
+  const torch::Tensor m_new = torch::maximum(m, std::get<0>(s.max(-1)));
+  const torch::Tensor p = s.sub_(m_new.unsqueeze(-1)).exp_();
+  const torch::Tensor correction = (m - m_new).exp_();
+  l.mul_(correction).add_(p.sum(-1));
+  acc.mul_(correction.unsqueeze(-1))
+      .add_(torch::matmul(p.to(q.scalar_type()), v).to(torch::kFloat));
+  m.copy_(m_new);
+}
+
+void AttendBlockBackward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const torch::Tensor& dout, const torch::Tensor& lse,
+                         const torch::Tensor& delta, const torch::Tensor& future,
+                         const torch::Tensor& dq, const torch::Tensor& dk,
+                         const torch::Tensor& dv) {
+  const torch::ScalarType type = q.scalar_type();
+  const torch::Tensor p = Scores(q, k, future).sub_(lse.unsqueeze(-1)).exp_();
+  dv.add_(torch::matmul(p.transpose(-2, -1).to(type), dout).to(torch::kFloat));
+  const torch::Tensor dp = torch::matmul(dout, v.transpose(-2, -1)).to(torch::kFloat);
+  const torch::Tensor ds =
+      p.mul_(dp.sub_(delta.unsqueeze(-1))).mul_(1.0 / std::sqrt(double(q.size(3)))).to(type);
+  dq.add_(torch::matmul(ds, k).to(torch::kFloat));
+  dk.add_(torch::matmul(ds.transpose(-2, -1), q).to(torch::kFloat));
+}
+
+namespace {
 
 struct Attention : torch::autograd::Function<Attention> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor q, torch::Tensor k,
                                torch::Tensor v, int64_t block) {
     const int64_t t = q.size(2);
-    const double scale = 1.0 / std::sqrt(double(q.size(3)));
-    const torch::ScalarType type = q.scalar_type();
     // [B, T, H, D] underneath, as FlashAttention writes it: merging the heads for the output
     // projection is then a view, and the tensor this function keeps for backward is the one
     // the projection keeps, not a second copy of s·b·h.
@@ -171,16 +208,9 @@ struct Attention : torch::autograd::Function<Attention> {
       torch::Tensor acc = torch::zeros({q.size(0), q.size(1), i1 - i0, q.size(3)}, lse.options());
       for (int64_t j0 = 0; j0 < i1; j0 += block) {  // causal: no key block after the queries
         const int64_t j1 = std::min(t, j0 + block);
-        torch::Tensor s =
-            torch::matmul(qi, k.slice(2, j0, j1).transpose(-2, -1)).to(torch::kFloat).mul_(scale);
-        if (j1 > i0 + 1) s.masked_fill_(FutureMask(i0, i1, j0, j1, q.device()), -inf);
-        const torch::Tensor m_new = torch::maximum(m, std::get<0>(s.max(-1)));
-        const torch::Tensor p = s.sub_(m_new.unsqueeze(-1)).exp_();
-        const torch::Tensor correction = (m - m_new).exp_();
-        l.mul_(correction).add_(p.sum(-1));
-        acc.mul_(correction.unsqueeze(-1))
-            .add_(torch::matmul(p.to(type), v.slice(2, j0, j1)).to(torch::kFloat));
-        m = m_new;
+        AttendBlock(qi, k.slice(2, j0, j1), v.slice(2, j0, j1),
+                    j1 > i0 + 1 ? FutureMask(i0, i1, j0, j1, q.device()) : torch::Tensor(), m, l,
+                    acc);
       }
       out.slice(2, i0, i1).copy_(acc.div_(l.unsqueeze(-1)));
       lse.slice(2, i0, i1).copy_(m.add_(l.log_()));
@@ -197,7 +227,6 @@ struct Attention : torch::autograd::Function<Attention> {
     const int64_t block = ctx->saved_data["block"].toInt();
     const torch::ScalarType type = q.scalar_type();
     const int64_t t = q.size(2);
-    const double scale = 1.0 / std::sqrt(double(q.size(3)));
     // Strided as it comes (a view of the merged heads' gradient in a model): the block matmuls
     // read it in place, and a contiguous copy would cost another s·b·h at backward's peak.
     const torch::Tensor& dout = grads[0];
@@ -205,7 +234,6 @@ struct Attention : torch::autograd::Function<Attention> {
     const torch::Tensor delta = (dout.to(torch::kFloat) * out.to(torch::kFloat)).sum(-1);
     torch::Tensor dq = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat));
     torch::Tensor dk = torch::empty_like(k), dv = torch::empty_like(v);
-    const float inf = std::numeric_limits<float>::infinity();
     for (int64_t j0 = 0; j0 < t; j0 += block) {
       const int64_t j1 = std::min(t, j0 + block);
       const torch::Tensor kj = k.slice(2, j0, j1), vj = v.slice(2, j0, j1);
@@ -213,16 +241,10 @@ struct Attention : torch::autograd::Function<Attention> {
       torch::Tensor dvj = torch::zeros(vj.sizes(), dq.options());
       for (int64_t i0 = (j0 / block) * block; i0 < t; i0 += block) {  // queries at or after j0
         const int64_t i1 = std::min(t, i0 + block);
-        const torch::Tensor qi = q.slice(2, i0, i1), doi = dout.slice(2, i0, i1);
-        torch::Tensor s = torch::matmul(qi, kj.transpose(-2, -1)).to(torch::kFloat).mul_(scale);
-        if (j1 > i0 + 1) s.masked_fill_(FutureMask(i0, i1, j0, j1, q.device()), -inf);
-        const torch::Tensor p = s.sub_(lse.slice(2, i0, i1).unsqueeze(-1)).exp_();
-        dvj.add_(torch::matmul(p.transpose(-2, -1).to(type), doi).to(torch::kFloat));
-        const torch::Tensor dp = torch::matmul(doi, vj.transpose(-2, -1)).to(torch::kFloat);
-        const torch::Tensor ds =
-            p.mul_(dp.sub_(delta.slice(2, i0, i1).unsqueeze(-1))).mul_(scale).to(type);
-        dq.slice(2, i0, i1).add_(torch::matmul(ds, kj).to(torch::kFloat));
-        dkj.add_(torch::matmul(ds.transpose(-2, -1), qi).to(torch::kFloat));
+        AttendBlockBackward(q.slice(2, i0, i1), kj, vj, dout.slice(2, i0, i1), lse.slice(2, i0, i1),
+                            delta.slice(2, i0, i1),
+                            j1 > i0 + 1 ? FutureMask(i0, i1, j0, j1, q.device()) : torch::Tensor(),
+                            dq.slice(2, i0, i1), dkj, dvj);
       }
       dk.slice(2, j0, j1).copy_(dkj);
       dv.slice(2, j0, j1).copy_(dvj);

@@ -29,6 +29,21 @@ torch::Tensor MemoryEfficientAttention(const torch::Tensor& q, const torch::Tens
                                        const torch::Tensor& v, int64_t block = 128);
 // The causal mask of queries [q0, q1) against keys [k0, k1): true where key index > query index.
 torch::Tensor FutureMask(int64_t q0, int64_t q1, int64_t k0, int64_t k1, const torch::Device& d);
+// FlashAttention's two steps on a tile of queries q [B, H, n, D] against a block of keys and
+// values k, v [B, H, m, D], scaled by 1/sqrt(D), `future` [n, m] masking keys (undefined:
+// none): the memory-efficient attention's and ring attention's, written once.
+// Forward: folds the block into the rows' running maximum m and denominator l [B, H, n] and
+// the unnormalised output acc [B, H, n, D] (fp32, updated in place).
+void AttendBlock(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                 const torch::Tensor& future, const torch::Tensor& m, const torch::Tensor& l,
+                 const torch::Tensor& acc);
+// Backward (FlashAttention-2's), from the rows' log-sum-exp lse and D = rowsum(dO ∘ O) delta
+// [B, H, n]: adds the tile's and the block's gradients into dq [B, H, n, D] and dk, dv
+// [B, H, m, D] (fp32, in place).
+void AttendBlockBackward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const torch::Tensor& dout, const torch::Tensor& lse,
+                         const torch::Tensor& delta, const torch::Tensor& future,
+                         const torch::Tensor& dq, const torch::Tensor& dk, const torch::Tensor& dv);
 // x [..., C], weight [C]: x / rms(x) · weight, the statistics in fp32.
 torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 // tanh-GELU(x + bias); bias may be undefined.

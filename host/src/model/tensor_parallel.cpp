@@ -1,7 +1,6 @@
 #include "model/tensor_parallel.h"
 
 #include <algorithm>
-#include <cmath>
 #include <functional>
 #include <future>
 #include <limits>
@@ -105,15 +104,21 @@ torch::Tensor ReduceScatterSequence(const torch::Tensor& x, const TensorParallel
   return out;
 }
 
-struct ScatterSeq : torch::autograd::Function<ScatterSeq> {
+// A collective over the group whose backward is another: Forward, then Backward on the
+// gradient.
+using GroupFn = torch::Tensor (*)(const torch::Tensor&, const TensorParallelGroup&);
+template <GroupFn Forward, GroupFn Backward>
+struct Inverses : torch::autograd::Function<Inverses<Forward, Backward>> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
     ctx->saved_data["group"] = group;
-    return ReduceScatterSequence(x, GroupOf(group));
+    return Forward(x, GroupOf(group));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {AllGatherSequence(grads[0], GroupOf(ctx)), torch::Tensor()};
+    return {Backward(grads[0], GroupOf(ctx)), torch::Tensor()};
   }
 };
+
+using ScatterSeq = Inverses<ReduceScatterSequence, AllGatherSequence>;
 
 // ---- Rings: size − 1 shift steps, each overlapping the compute on what is already here ------
 
@@ -372,25 +377,8 @@ torch::Tensor AllToAllHeadsToSequence(const torch::Tensor& x, const TensorParall
   return out.permute({1, 3, 0, 2, 4}).reshape({b, t, g.size * h, d}).transpose(1, 2);
 }
 
-struct SequenceToHeadsFn : torch::autograd::Function<SequenceToHeadsFn> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return AllToAllSequenceToHeads(x, GroupOf(group));
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {AllToAllHeadsToSequence(grads[0], GroupOf(ctx)), torch::Tensor()};
-  }
-};
-
-struct HeadsToSequenceFn : torch::autograd::Function<HeadsToSequenceFn> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return AllToAllHeadsToSequence(x, GroupOf(group));
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {AllToAllSequenceToHeads(grads[0], GroupOf(ctx)), torch::Tensor()};
-  }
-};
+using SequenceToHeadsFn = Inverses<AllToAllSequenceToHeads, AllToAllHeadsToSequence>;
+using HeadsToSequenceFn = Inverses<AllToAllHeadsToSequence, AllToAllSequenceToHeads>;
 
 // ---- Ring attention --------------------------------------------------------------------------
 
@@ -409,6 +397,11 @@ RingStep StepOf(int64_t rank, int64_t source, int64_t t) {
   if (source == rank) return {0, t, 0, t, true};
   if (source < rank) return {0, t, 0, c, false};
   return {c, t, 0, t, false};
+}
+
+// The causal mask of query rows [i0, i1) against the step's keys; none off the diagonal.
+torch::Tensor Mask(const RingStep& st, int64_t i0, int64_t i1, const torch::Device& device) {
+  return st.causal ? kernels::FutureMask(i0, i1, st.k0, st.k1, device) : torch::Tensor();
 }
 
 // Query rows per tile: the scores held at once are a tile's rows against one block's keys.
@@ -435,8 +428,6 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     const TensorParallelGroup& g = GroupOf(group);
     const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
     const int64_t heads_per_kv = h / k.size(1);
-    const double scale = 1.0 / std::sqrt(double(d));
-    const torch::ScalarType type = q.scalar_type();
     const float inf = std::numeric_limits<float>::infinity();
     const torch::TensorOptions f32 = q.options().dtype(torch::kFloat);
     torch::Tensor m = torch::full({b, h, t}, -inf, f32), l = torch::zeros({b, h, t}, f32);
@@ -449,18 +440,8 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       const auto [ks, vs] = StepKeysValues(kv, st, heads_per_kv);
       for (int64_t i0 = st.q0; i0 < st.q1; i0 += kRingTile) {
         const int64_t i1 = std::min(st.q1, i0 + kRingTile);
-        torch::Tensor s =
-            torch::matmul(q.slice(2, i0, i1), ks.transpose(-2, -1)).to(torch::kFloat).mul_(scale);
-        if (st.causal) s.masked_fill_(kernels::FutureMask(i0, i1, st.k0, st.k1, q.device()), -inf);
-        torch::Tensor mi = m.slice(2, i0, i1), li = l.slice(2, i0, i1);
-        const torch::Tensor m_new = torch::maximum(mi, std::get<0>(s.max(-1)));
-        const torch::Tensor p = s.sub_(m_new.unsqueeze(-1)).exp_();
-        const torch::Tensor correction = (mi - m_new).exp_();
-        li.mul_(correction).add_(p.sum(-1));
-        acc.slice(2, i0, i1)
-            .mul_(correction.unsqueeze(-1))
-            .add_(torch::matmul(p.to(type), vs).to(torch::kFloat));
-        mi.copy_(m_new);
+        kernels::AttendBlock(q.slice(2, i0, i1), ks, vs, Mask(st, i0, i1, q.device()),
+                             m.slice(2, i0, i1), l.slice(2, i0, i1), acc.slice(2, i0, i1));
       }
       if (next.valid()) kv = next.get();
     }
@@ -481,7 +462,6 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     const TensorParallelGroup& g = GroupOf(ctx);
     const torch::ScalarType type = q.scalar_type();
     const int64_t t = q.size(2), heads_per_kv = q.size(1) / k.size(1);
-    const double scale = 1.0 / std::sqrt(double(q.size(3)));
     const torch::Tensor& dout = grads[0];
     // FlashAttention-2's D = rowsum(dO ∘ O).
     const torch::Tensor delta = (dout.to(torch::kFloat) * out.to(torch::kFloat)).sum(-1);
@@ -502,19 +482,9 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       torch::Tensor dvs = heads_per_kv == 1 ? dv_rows : torch::zeros(vs.sizes(), dq.options());
       for (int64_t i0 = st.q0; i0 < st.q1; i0 += kRingTile) {
         const int64_t i1 = std::min(st.q1, i0 + kRingTile);
-        const torch::Tensor qi = q.slice(2, i0, i1), doi = dout.slice(2, i0, i1);
-        torch::Tensor s = torch::matmul(qi, ks.transpose(-2, -1)).to(torch::kFloat).mul_(scale);
-        if (st.causal) {
-          s.masked_fill_(kernels::FutureMask(i0, i1, st.k0, st.k1, q.device()),
-                         -std::numeric_limits<float>::infinity());
-        }
-        const torch::Tensor p = s.sub_(lse.slice(2, i0, i1).unsqueeze(-1)).exp_();
-        dvs.add_(torch::matmul(p.transpose(-2, -1).to(type), doi).to(torch::kFloat));
-        const torch::Tensor dp = torch::matmul(doi, vs.transpose(-2, -1)).to(torch::kFloat);
-        const torch::Tensor ds =
-            p.mul_(dp.sub_(delta.slice(2, i0, i1).unsqueeze(-1))).mul_(scale).to(type);
-        dq.slice(2, i0, i1).add_(torch::matmul(ds, ks).to(torch::kFloat));
-        dks.add_(torch::matmul(ds.transpose(-2, -1), qi).to(torch::kFloat));
+        kernels::AttendBlockBackward(q.slice(2, i0, i1), ks, vs, dout.slice(2, i0, i1),
+                                     lse.slice(2, i0, i1), delta.slice(2, i0, i1),
+                                     Mask(st, i0, i1, q.device()), dq.slice(2, i0, i1), dks, dvs);
       }
       if (heads_per_kv > 1) {
         dk_rows.copy_(Contract(dks, heads_per_kv));

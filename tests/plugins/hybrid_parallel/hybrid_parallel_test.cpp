@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "script_gpt.h"
@@ -517,35 +518,50 @@ TEST(HybridParallel, SequenceParallel_CommunicationMatchesFormula) {
 
 // ---- DeepSpeed-Ulysses (sequence_parallelism_mode = "all_to_all") ------------------------------
 
-const std::vector<std::string> kUlysses = {"enable_sequence_parallelism=true",
-                                           "sequence_parallelism_mode=\"all_to_all\""};
-
-std::vector<std::string> Ulysses(int sp, std::vector<std::string> more = {}) {
-  more.insert(more.begin(), kUlysses.begin(), kUlysses.end());
-  more.push_back("sp_size=" + std::to_string(sp));
+// The plugin options of sequence_parallelism_mode = `mode` over a group of `size_key` = n
+// ranks, then `more`.
+std::vector<std::string> SequenceParallel(const std::string& mode, const std::string& size_key,
+                                          int n, std::vector<std::string> more) {
+  more.insert(more.begin(),
+              {"enable_sequence_parallelism=true", "sequence_parallelism_mode=\"" + mode + "\""});
+  more.push_back(size_key + "=" + std::to_string(n));
   return more;
+}
+std::vector<std::string> Ulysses(int sp, std::vector<std::string> more = {}) {
+  return SequenceParallel("all_to_all", "sp_size", sp, std::move(more));
+}
+std::vector<std::string> RingAttn(int sp, std::vector<std::string> more = {}) {
+  return SequenceParallel("ring_attn", "sp_size", sp, std::move(more));
+}
+std::vector<std::string> Ring(int tp, std::vector<std::string> more = {}) {
+  return SequenceParallel("ring", "tp_size", tp, std::move(more));
+}
+
+// `mode` over sp 2 and 3 against the reference on `sets`, with clipping active and evaluation:
+// every rank of the sequence-parallel group evaluates its shard, and the loss is the whole
+// batch's.
+void ExpectSp2AndSp3MatchReference(const std::string& mode, std::vector<std::string> sets) {
+  sets.insert(sets.end(), {"train.eval_every=3", "train.eval_batches=2"});
+  const TrainRun ref = Reference("gpt_" + mode + "_eval", sets);
+  ASSERT_FALSE(std::isnan(ref.eval_loss)) << ref.output;
+  for (int sp : {2, 3}) {
+    SCOPED_TRACE("sp " + std::to_string(sp));
+    const TrainRun run = Hybrid(mode + "_sp" + std::to_string(sp), sp,
+                                SequenceParallel(mode, "sp_size", sp, {}), sets);
+    ExpectMatches(ref, run, kFp32Tolerance);
+    EXPECT_NEAR(run.eval_loss, ref.eval_loss, kFp32Tolerance * ref.eval_loss);
+    for (double norm : run.grad_norms) EXPECT_GT(norm, 0.05);  // clipping active
+    EXPECT_NE(run.output.find("x sp " + std::to_string(sp) + " x tp 1 (sequence parallelism " +
+                              mode + ")"),
+              std::string::npos)
+        << run.output;
+  }
 }
 
 // Six heads and 18 positions over 2 and 3 ranks: each rank embeds and runs its 9 or 6
 // positions and attends over all 18 for 3 or 2 heads.
-// Evaluation too: every rank of the sequence-parallel group evaluates its shard, and the loss
-// is the whole batch's.
 TEST(HybridParallel, Ulysses_Sp2AndSp3_GptMatchesReference) {
-  std::vector<std::string> sets = kSpGpt;
-  sets.insert(sets.end(), {"train.eval_every=3", "train.eval_batches=2"});
-  const TrainRun ref = Reference("gpt_sp_eval", sets);
-  ASSERT_FALSE(std::isnan(ref.eval_loss)) << ref.output;
-  for (int sp : {2, 3}) {
-    SCOPED_TRACE("sp " + std::to_string(sp));
-    const TrainRun run = Hybrid("ulysses_sp" + std::to_string(sp), sp, Ulysses(sp), sets);
-    ExpectMatches(ref, run, kFp32Tolerance);
-    EXPECT_NEAR(run.eval_loss, ref.eval_loss, kFp32Tolerance * ref.eval_loss);
-    for (double norm : run.grad_norms) EXPECT_GT(norm, 0.05);  // clipping active
-    EXPECT_NE(
-        run.output.find("x sp " + std::to_string(sp) + " x tp 1 (sequence parallelism all_to_all)"),
-        std::string::npos)
-        << run.output;
-  }
+  ExpectSp2AndSp3MatchReference("all_to_all", kSpGpt);
 }
 
 // Llama with grouped-query attention (RoPE at the shard's positions, key/value heads going
@@ -670,36 +686,13 @@ TEST(HybridParallel, Ulysses_BadConfigurationsFailClearly) {
 
 // ---- Ring attention (sequence_parallelism_mode = "ring_attn") ---------------------------------
 
-const std::vector<std::string> kRingAttn = {"enable_sequence_parallelism=true",
-                                            "sequence_parallelism_mode=\"ring_attn\""};
-
-std::vector<std::string> RingAttn(int sp, std::vector<std::string> more = {}) {
-  more.insert(more.begin(), kRingAttn.begin(), kRingAttn.end());
-  more.push_back("sp_size=" + std::to_string(sp));
-  return more;
-}
-
 // 24 positions: 4 chunks of 6 at sp 2, 6 chunks of 4 at sp 3, each rank holding two.
 const std::vector<std::string> kRingGpt = {"model.n_embd=48", "model.n_head=6", "train.seq_len=24"};
 
-// GPT-2 at sp 2 and 3, with clipping and evaluation: every rank embeds its zigzag chunks
-// (learned positions at their offsets) and attends over all 24 positions through the ring.
+// GPT-2 at sp 2 and 3: every rank embeds its zigzag chunks (learned positions at their
+// offsets) and attends over all 24 positions through the ring.
 TEST(HybridParallel, RingAttn_Sp2AndSp3_GptMatchesReference) {
-  std::vector<std::string> sets = kRingGpt;
-  sets.insert(sets.end(), {"train.eval_every=3", "train.eval_batches=2"});
-  const TrainRun ref = Reference("gpt_ring_eval", sets);
-  ASSERT_FALSE(std::isnan(ref.eval_loss)) << ref.output;
-  for (int sp : {2, 3}) {
-    SCOPED_TRACE("sp " + std::to_string(sp));
-    const TrainRun run = Hybrid("ring_sp" + std::to_string(sp), sp, RingAttn(sp), sets);
-    ExpectMatches(ref, run, kFp32Tolerance);
-    EXPECT_NEAR(run.eval_loss, ref.eval_loss, kFp32Tolerance * ref.eval_loss);
-    for (double norm : run.grad_norms) EXPECT_GT(norm, 0.05);  // clipping active
-    EXPECT_NE(
-        run.output.find("x sp " + std::to_string(sp) + " x tp 1 (sequence parallelism ring_attn)"),
-        std::string::npos)
-        << run.output;
-  }
+  ExpectSp2AndSp3MatchReference("ring_attn", kRingGpt);
 }
 
 // Llama with grouped-query attention (RoPE at the zigzag positions; 2 key/value heads, which
@@ -792,15 +785,6 @@ TEST(HybridParallel, RingAttn_BadConfigurationsFailClearly) {
 }
 
 // ---- split_gather as rings (sequence_parallelism_mode = "ring") --------------------------------
-
-const std::vector<std::string> kRing = {"enable_sequence_parallelism=true",
-                                        "sequence_parallelism_mode=\"ring\""};
-
-std::vector<std::string> Ring(int tp, std::vector<std::string> more = {}) {
-  more.insert(more.begin(), kRing.begin(), kRing.end());
-  more.push_back("tp_size=" + std::to_string(tp));
-  return more;
-}
 
 // The all-gathers before the column-parallel projections and the reduce-scatters after the
 // row-parallel ones as rings of tp − 1 steps: tp 2 and 3 (three chunks per ring).

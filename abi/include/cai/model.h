@@ -186,8 +186,17 @@ typedef struct cai_stage_forward_args {
    * and it takes no micro-batch number); a non-last stage's output activation carries no
    * graph, so it cannot be back-propagated. Unit hooks fire as in any forward. */
   bool no_grad;
+  /* since 1.3: split backward (zero-bubble pipelines): this stage's stage_backward computes the
+   * input gradient and every parameter gradient except the transformer blocks' linear
+   * projections' weights and biases, whose dW = dY^T X and db = sum dY wait for
+   * stage_backward_weights (which needs neither the parameters' data nor the graph). A block's
+   * GRAD_READY for those parameters and its POST_BACKWARD fire there. The projections that a
+   * collective overlaps (sequence parallelism's split_gather and ring column projections, ring's
+   * row projections) keep their weight gradients in stage_backward. INVALID_ARGUMENT with
+   * no_grad. */
+  bool split_backward;
 } cai_stage_forward_args;
-#define CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_stage_forward_args, no_grad)
+#define CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_stage_forward_args, split_backward)
 
 /* Backward of one stage-forward. `activation` is what stage_forward returned (NULL for the
  * last stage, identified by micro_batch); `grad_output` the gradient received from the next
@@ -203,6 +212,20 @@ typedef struct cai_stage_backward_args {
   double loss_scale;
 } cai_stage_backward_args;
 #define CAI_STAGE_BACKWARD_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_stage_backward_args, loss_scale)
+
+/* The weight pass of a split stage (since 1.3; cai_stage_forward_args.split_backward), after
+ * its stage_backward: `activation` as stage_backward took it (the caller releases it only after
+ * this call), or NULL and `micro_batch` for the last stage. Releasing an activation whose weight
+ * pass has not run loses those gradients: every later forward or backward call then fails with
+ * FAILED_PRECONDITION until zero_grad. */
+typedef struct cai_stage_backward_weights_args {
+  size_t struct_size;
+  cai_extension_base* extension_start;
+  cai_activation* activation;
+  int32_t micro_batch;
+} cai_stage_backward_weights_args;
+#define CAI_STAGE_BACKWARD_WEIGHTS_ARGS_STRUCT_SIZE \
+  CAI_STRUCT_SIZE(cai_stage_backward_weights_args, micro_batch)
 
 /* Tensor parallelism through the host: parameters with a parallel_dim are split across
  * `group` (column-parallel roles on their output dimension, row-parallel on their input), and
@@ -368,8 +391,11 @@ typedef struct cai_model_api {
    * forward, when the sequence length is not a multiple of size (ALL_TO_ALL) or 2·size
    * (RING_ATTN); UNIMPLEMENTED for TorchScript models and for other modes. */
   cai_status* (*apply_sequence_parallel)(cai_model* model, const cai_sequence_parallel_args* args);
+  /* 1.3. The weight pass of a split backward (see cai_stage_backward_weights_args). */
+  cai_status* (*stage_backward_weights)(cai_model* model,
+                                        const cai_stage_backward_weights_args* args);
 } cai_model_api;
-#define CAI_MODEL_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_model_api, apply_sequence_parallel)
+#define CAI_MODEL_API_STRUCT_SIZE CAI_STRUCT_SIZE(cai_model_api, stage_backward_weights)
 
 /* enable_kernels (1.3). */
 /* Causal attention tiled over query and key blocks with an online softmax: O(T·d) memory per

@@ -12,6 +12,7 @@
 #include "model/framework_allocator.h"
 #include "model/network.h"
 #include "model/torch_compat.h"
+#include "model/weight_grad.h"
 
 namespace cai {
 namespace {
@@ -119,9 +120,13 @@ class Activation {
   std::vector<char> input_needs_grad;  // per unit in [first, last)
   bool no_grad = false;                // forward only: nothing to back-propagate
   DescribedShape described;
+  // Split backward: the blocks' deferred weight gradients, filled by stage_backward and
+  // emptied by stage_backward_weights. The queue's address is in the graph, so it never moves.
+  std::unique_ptr<WeightGradQueue> weight_grads;
+  bool weights_done = false;
+  Model::Impl* owner = nullptr;
+  bool AwaitsWeights() const { return weight_grads && !weights_done && !weight_grads->empty(); }
 };
-
-void ActivationDeleter::operator()(Activation* activation) const { delete activation; }
 
 void Network::ApplyTensorParallel(TensorParallelGroup, const TensorParallelOptions&) {
   throw Error(CAI_UNIMPLEMENTED,
@@ -192,7 +197,12 @@ struct Model::Impl {
   std::optional<Error> hook_error;
 
   std::map<int32_t, std::unique_ptr<Activation>> last_stage;  // by micro-batch number
+  // Last stages back-propagated with their weight gradients still deferred (split backward).
+  std::map<int32_t, std::unique_ptr<Activation>> last_stage_weights;
   int32_t next_micro_batch = 0;
+  // An activation went with its deferred weight gradients never computed: this step's
+  // gradients lack them, so every call fails until ZeroGrad.
+  bool lost_weight_grads = false;
 
   explicit Impl(std::unique_ptr<Network> network) : net(std::move(network)) {
     units.resize(net->units.size());
@@ -314,9 +324,10 @@ struct Model::Impl {
 
   // Runs units [first, last) on x, with the boundary hooks that drive the backward unit hooks:
   // a view of each unit's input whose gradient marks the unit's input done, and the unit's
-  // output whose gradient fires PRE_BACKWARD.
+  // output whose gradient fires PRE_BACKWARD. With `defer`, the blocks' projections leave their
+  // weight gradients to it (split backward).
   torch::Tensor RunUnits(int32_t first, int32_t last, torch::Tensor x,
-                         std::vector<char>& input_needs_grad) {
+                         std::vector<char>& input_needs_grad, WeightGradQueue* defer = nullptr) {
     const bool grad = torch::GradMode::is_enabled();
     input_needs_grad.assign(last - first, 0);
     for (int32_t u = first; u < last; ++u) {
@@ -332,6 +343,9 @@ struct Model::Impl {
       // Checkpointing needs an input that requires grad: a reentrant recompute is reached
       // only through it (PyTorch's reentrant checkpoint has the same rule).
       const bool checkpoint = checkpointed[u] && track_input;
+      // Only blocks defer: the head's projection is the tied embedding on GPT-2, whose
+      // gradient must be whole when the embedding's backward reports it.
+      DeferWeightGrads scope(net->units[u].kind == CAI_UNIT_BLOCK ? defer : nullptr);
       torch::Tensor y = checkpoint ? Checkpoint(u, x) : net->Forward(u, x);
       if (grad && y.requires_grad()) {
         y.register_hook([this, u](const torch::Tensor&) { OnOutputGrad(u); });
@@ -368,6 +382,63 @@ struct Model::Impl {
     } disarm{this};
     AllocationSite site("backward");
     run();
+  }
+
+  void CheckNoLostWeightGrads(const char* function) const {
+    if (!lost_weight_grads) return;
+    Fail(CAI_FAILED_PRECONDITION,
+         std::string(function) +
+             ": an activation whose forward was split (split_backward) was released before "
+             "stage_backward_weights computed its weight gradients, so this step's gradients "
+             "are incomplete; call zero_grad to start the step again");
+  }
+
+  // The weight pass of a split backward over units [first, last): each deferred projection's
+  // dW (and db) accumulates into the parameter's gradient as autograd would, GRAD_READY fires
+  // once a parameter's last deferred contribution is in, and POST_BACKWARD once a unit's are
+  // (its stage_backward left them pending).
+  void ComputeDeferredWeights(int32_t first, int32_t last, const WeightGradQueue& queue) {
+    std::map<const c10::TensorImpl*, uint32_t> index_of;
+    for (uint32_t i = 0; i < params.size(); ++i) index_of[T(i).unsafeGetTensorImpl()] = i;
+    std::map<uint32_t, int> remaining;  // by parameter
+    auto each = [&](auto&& visit) {
+      for (const DeferredLinear& item : queue) {
+        if (item.weight.defined()) visit(item, item.weight, true);
+        if (item.bias.defined()) visit(item, item.bias, false);
+      }
+    };
+    each([&](const DeferredLinear&, const torch::Tensor& p, bool) {
+      ++remaining[index_of.at(p.unsafeGetTensorImpl())];
+    });
+    for (int32_t u = first; u < last; ++u) {
+      active[u] = 0;
+      pending[u] = 0;
+    }
+    for (const auto& [index, count] : remaining) {
+      const int32_t unit = params[index].spec->unit;
+      if (unit >= first && unit < last) {
+        active[unit] = 1;
+        ++pending[unit];
+      }
+    }
+    struct Disarm {
+      Impl* impl;
+      ~Disarm() { impl->active.assign(impl->active.size(), 0); }
+    } disarm{this};
+    torch::NoGradGuard no_grad;
+    each([&](const DeferredLinear& item, const torch::Tensor& p, bool is_weight) {
+      const uint32_t index = index_of.at(p.unsafeGetTensorImpl());
+      AllocationSite site("the weight-gradient pass (split backward)", params[index].spec->unit,
+                          &net->units[params[index].spec->unit].name);
+      torch::Tensor g = is_weight ? WeightGradient(item) : BiasGradient(item);
+      torch::Tensor& grad = T(index).mutable_grad();
+      if (grad.defined()) {
+        grad.add_(g);
+      } else {
+        grad = std::move(g);
+      }
+      if (--remaining[index] == 0) OnGradReady(index);
+    });
   }
 
   // Runs an entry point; a hook's error wins over however autograd rewrapped it.
@@ -439,6 +510,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     // The context stores IValues; the model outlives every graph it builds.
     ctx->saved_data["impl"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(impl));
     ctx->saved_data["unit"] = unit;
+    // The recomputation defers weight gradients where the forward would have.
+    ctx->saved_data["defer"] =
+        static_cast<int64_t>(reinterpret_cast<intptr_t>(DeferWeightGrads::Current()));
     return impl->net->Forward(static_cast<size_t>(unit), x);
   }
 
@@ -451,12 +525,21 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     torch::Tensor y;
     {
       torch::AutoGradMode enable(true);
+      DeferWeightGrads scope(reinterpret_cast<WeightGradQueue*>(
+          static_cast<intptr_t>(ctx->saved_data["defer"].toInt())));
       y = impl->Recompute(unit, x);
     }
     torch::autograd::backward({y}, {grad_outputs[0]});
     return {x.grad(), torch::Tensor(), torch::Tensor()};
   }
 };
+
+void ActivationDeleter::operator()(Activation* activation) const {
+  if (activation != nullptr && activation->AwaitsWeights()) {
+    activation->owner->lost_weight_grads = true;
+  }
+  delete activation;
+}
 
 torch::Tensor Model::Impl::Checkpoint(int32_t unit, const torch::Tensor& x) {
   return CheckpointFunction::apply(x, this, static_cast<int64_t>(unit));
@@ -706,6 +789,8 @@ void Model::ZeroGrad(bool set_to_none) {
     }
   }
   impl_->next_micro_batch = 0;
+  impl_->last_stage_weights.clear();
+  impl_->lost_weight_grads = false;
 }
 
 // ---- Hooks -------------------------------------------------------------------------------
@@ -744,6 +829,7 @@ void Model::RemoveHook(uint64_t id) {
 double Model::ForwardBackward(const cai_tensor& tokens, const cai_tensor& targets, bool backward,
                               double loss_scale, double loss_weight) {
   Impl& m = *impl_;
+  m.CheckNoLostWeightGrads("forward_backward");
   return m.Guarded([&] {
     AllocationSite site("the micro-batch's inputs");
     torch::Tensor x = m.Tokens(tokens, "tokens");
@@ -765,8 +851,14 @@ double Model::ForwardBackward(const cai_tensor& tokens, const cai_tensor& target
 
 Model::StageResult Model::StageForward(int32_t first_unit, int32_t last_unit,
                                        const cai_tensor* tokens, const cai_tensor* targets,
-                                       const cai_tensor* input, bool no_grad) {
+                                       const cai_tensor* input, bool no_grad, bool split_backward) {
   Impl& m = *impl_;
+  m.CheckNoLostWeightGrads("stage_forward");
+  if (no_grad && split_backward) {
+    Fail(CAI_INVALID_ARGUMENT,
+         "stage_forward: split_backward with no_grad: a forward-only stage has no backward to "
+         "split; set one of them");
+  }
   const auto n = static_cast<int32_t>(m.units.size());
   if (first_unit < 0 || first_unit >= last_unit || last_unit > n) {
     Fail(CAI_INVALID_ARGUMENT, "stage_forward: units [" + std::to_string(first_unit) + ", " +
@@ -785,6 +877,8 @@ Model::StageResult Model::StageForward(int32_t first_unit, int32_t last_unit,
     act->first = first_unit;
     act->last = last_unit;
     act->no_grad = no_grad;
+    act->owner = &m;
+    if (split_backward) act->weight_grads = std::make_unique<WeightGradQueue>();
     torch::Tensor x;
     if (first_unit == 0) {
       if (tokens == nullptr)
@@ -809,7 +903,8 @@ Model::StageResult Model::StageForward(int32_t first_unit, int32_t last_unit,
     // Evaluation builds no graph: autograd saves nothing and no gradient hook can fire.
     torch::AutoGradMode grad_mode(!no_grad);
     if (!no_grad) m.EnsureGradReadyHooks();
-    torch::Tensor y = m.RunUnits(first_unit, last_unit, x, act->input_needs_grad);
+    torch::Tensor y =
+        m.RunUnits(first_unit, last_unit, x, act->input_needs_grad, act->weight_grads.get());
     StageResult result;
     if (is_last) {
       torch::Tensor loss = m.Loss(y, targets);
@@ -830,6 +925,7 @@ void Model::StageBackward(Activation* activation, int32_t micro_batch,
                           const cai_tensor* grad_output, const cai_tensor* grad_input,
                           double loss_scale) {
   Impl& m = *impl_;
+  m.CheckNoLostWeightGrads("stage_backward");
   std::unique_ptr<Activation> owned;
   if (activation == nullptr) {
     auto it = m.last_stage.find(micro_batch);
@@ -859,7 +955,9 @@ void Model::StageBackward(Activation* activation, int32_t micro_batch,
     if (view.sizes() != act.output.sizes()) {
       Fail(CAI_INVALID_ARGUMENT, "stage_backward: grad_output must have the activation's shape");
     }
-    grad = view.to(act.output.device(), act.output.scalar_type());
+    // A split stage's weight pass reads this gradient after the caller's buffer has gone.
+    grad = view.to(act.output.device(), act.output.scalar_type(), /*non_blocking=*/false,
+                   /*copy=*/act.weight_grads != nullptr);
   }
   if (grad_input != nullptr && !act.input.defined()) {
     Fail(CAI_INVALID_ARGUMENT,
@@ -890,6 +988,43 @@ void Model::StageBackward(Activation* activation, int32_t micro_batch,
     }
   }
   act.input = torch::Tensor();
+  if (owned && act.AwaitsWeights()) m.last_stage_weights[micro_batch] = std::move(owned);
+}
+
+void Model::StageBackwardWeights(Activation* activation, int32_t micro_batch) {
+  Impl& m = *impl_;
+  m.CheckNoLostWeightGrads("stage_backward_weights");
+  std::unique_ptr<Activation> owned;
+  if (activation == nullptr) {
+    auto it = m.last_stage_weights.find(micro_batch);
+    if (it == m.last_stage_weights.end()) {
+      Fail(m.last_stage.count(micro_batch) ? CAI_FAILED_PRECONDITION : CAI_NOT_FOUND,
+           "stage_backward_weights: no last-stage micro_batch " + std::to_string(micro_batch) +
+               " awaits its weight gradients" +
+               (m.last_stage.count(micro_batch) ? " (run its stage_backward first)" : ""));
+    }
+    owned = std::move(it->second);
+    m.last_stage_weights.erase(it);
+    activation = owned.get();
+  }
+  Activation& act = *activation;
+  if (!act.weight_grads) {
+    Fail(CAI_FAILED_PRECONDITION,
+         "stage_backward_weights: this stage's forward was not split (stage_forward's "
+         "split_backward), so its stage_backward computed every gradient already");
+  }
+  if (act.loss.defined() || act.output.defined()) {
+    Fail(CAI_FAILED_PRECONDITION,
+         "stage_backward_weights: run the stage's stage_backward first; the weight gradients "
+         "need the output gradients it computes");
+  }
+  if (act.weights_done) {
+    Fail(CAI_FAILED_PRECONDITION,
+         "stage_backward_weights: this stage's weight gradients were already computed");
+  }
+  m.Guarded([&] { m.ComputeDeferredWeights(act.first, act.last, *act.weight_grads); });
+  act.weight_grads->clear();
+  act.weights_done = true;
 }
 
 cai_tensor Model::ActivationData(Activation& activation) {

@@ -27,6 +27,8 @@
 //     [with activation checkpointing, for blocks: PRE_FORWARD(u) POST_FORWARD(u), recompute]
 //     GRAD_READY(p) for each trainable parameter p of unit u (order unspecified)
 //     POST_BACKWARD(u)
+// With a split backward (StageForward's split_backward), a block's projections' GRAD_READY and
+// its POST_BACKWARD move from its stage's StageBackward to StageBackwardWeights.
 // GRAD_READY(p) fires once per backward, after p.grad holds the sum of every use (the tied
 // embedding: after the head's and the embedding's contributions). POST_BACKWARD(u) fires once
 // all of u's trainable parameters are ready and the gradient of u's input is computed. Hooks
@@ -171,15 +173,22 @@ class Model {
     ActivationPtr output;
     double loss = 0.0;
   };
+  // With `split_backward`, the stage's StageBackward computes the input gradient and every
+  // gradient but the transformer blocks' projection weights and biases, which wait for
+  // StageBackwardWeights (zero-bubble schedules); the blocks' POST_BACKWARD fires there.
   StageResult StageForward(int32_t first_unit, int32_t last_unit, const cai_tensor* tokens,
-                           const cai_tensor* targets, const cai_tensor* input,
-                           bool no_grad = false);
+                           const cai_tensor* targets, const cai_tensor* input, bool no_grad = false,
+                           bool split_backward = false);
   // `activation` from StageForward (not a no_grad one), or null for the last stage's
   // `micro_batch`. Non-last stages need `grad_output` (shape of the activation); `grad_input`,
   // when given, receives the gradient of the stage's input. The activation's graph is freed
   // afterwards.
   void StageBackward(Activation* activation, int32_t micro_batch, const cai_tensor* grad_output,
                      const cai_tensor* grad_input, double loss_scale = 1.0);
+  // The weight pass of a split StageForward, after its StageBackward: `activation` as there
+  // (the caller keeps it until now), or null for the last stage's `micro_batch`. Releasing an
+  // activation before its weight pass fails every later call until ZeroGrad.
+  void StageBackwardWeights(Activation* activation, int32_t micro_batch);
   static cai_tensor ActivationData(Activation& activation);
 
   // fp32, bf16 or fp16 (see the header comment). Casting drops existing gradients, whose

@@ -171,8 +171,10 @@ cai_status* StageForward(cai_model* model, const cai_stage_forward_args* args) {
     const bool is_last = args->last_unit == static_cast<int32_t>(m->NumUnits());
     if (!is_last) NotNull(args->output, "stage_forward", "args->output (non-last stage)");
     const bool no_grad = CAI_HAS_FIELD(args, cai_stage_forward_args, no_grad) && args->no_grad;
+    const bool split =
+        CAI_HAS_FIELD(args, cai_stage_forward_args, split_backward) && args->split_backward;
     Model::StageResult result = m->StageForward(args->first_unit, args->last_unit, args->tokens,
-                                                args->targets, args->input, no_grad);
+                                                args->targets, args->input, no_grad, split);
     if (args->output != nullptr) {
       *args->output = reinterpret_cast<cai_activation*>(result.output.release());
     }
@@ -187,6 +189,15 @@ cai_status* StageBackward(cai_model* model, const cai_stage_backward_args* args)
                       "stage_backward: args");
     m->StageBackward(FromHandle(args->activation), args->micro_batch, args->grad_output,
                      args->grad_input, OrOne(args->loss_scale));
+  });
+}
+
+cai_status* StageBackwardWeights(cai_model* model, const cai_stage_backward_weights_args* args) {
+  return Guard([&] {
+    Model* m = Get(model, "stage_backward_weights");
+    RequireStructSize(args, CAI_STRUCT_SIZE(cai_stage_backward_weights_args, micro_batch),
+                      "stage_backward_weights: args");
+    m->StageBackwardWeights(FromHandle(args->activation), args->micro_batch);
   });
 }
 
@@ -292,6 +303,7 @@ constexpr cai_model_api kModelApi = {
     EnableKernels,
     SetUnitCheckpointing,
     ApplySequenceParallel,
+    StageBackwardWeights,
 };
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "model/network.h"
 #include "model/tensor_parallel.h"
 #include "model/torch_compat.h"
+#include "model/weight_grad.h"
 
 namespace cai {
 namespace {
@@ -101,10 +102,6 @@ class Builder {
   uint64_t seed_;
   uint64_t index_ = 0;
 };
-
-torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  return torch::linear(x, w, b);
-}
 
 // [B, T, H * D] -> [B, H, T, D] and back.
 torch::Tensor SplitHeads(const torch::Tensor& x, int64_t heads) {
@@ -213,6 +210,11 @@ class ZooNetwork : public Network {
     n_ctx = c.n_ctx;
   }
   torch::Tensor Wb(uint32_t index) const { return index == kNone ? torch::Tensor() : W(index); }
+  // x·Wᵀ + b in the compute dtype; its weight gradient may be deferred (split backward).
+  torch::Tensor Project(const torch::Tensor& x, uint32_t w, uint32_t b) const {
+    return Linear(x, params[w].tensor, b == kNone ? torch::Tensor() : params[b].tensor,
+                  compute_type());
+  }
 
   bool Has(uint64_t kernel) const { return (kernels_ & kernel) != 0; }
 
@@ -322,16 +324,16 @@ class ZooNetwork : public Network {
     }
     const torch::Tensor in = tp_.size == 1 ? x : tp::CopyToGroup(x, tp_);
     std::vector<torch::Tensor> out;
-    for (const auto& [w, b] : wb) out.push_back(Linear(in, W(w), Wb(b)));
+    for (const auto& [w, b] : wb) out.push_back(Project(in, w, b));
     return out;
   }
   // A row-parallel projection: partial products summed over the group (g, or under sequence
   // parallelism reduce-scattered into sequence shards), the bias added once.
   torch::Tensor RowLinear(const torch::Tensor& x, uint32_t w, uint32_t b) const {
-    if (tp_.size == 1) return Linear(x, W(w), Wb(b));
+    if (tp_.size == 1) return Project(x, w, b);
     torch::Tensor y = ring_                ? tp::RingScatteredLinear(x, W(w), tp_)
-                      : sequence_parallel_ ? tp::ScatterSequence(Linear(x, W(w), {}), tp_)
-                                           : tp::ReduceFromGroup(Linear(x, W(w), {}), tp_);
+                      : sequence_parallel_ ? tp::ScatterSequence(Project(x, w, kNone), tp_)
+                                           : tp::ReduceFromGroup(Project(x, w, kNone), tp_);
     return b == kNone ? y : y + Shard(b);
   }
   // A replicated parameter read between the tensor-parallel regions (norms, row-parallel

@@ -690,6 +690,143 @@ TEST(Stages, UnknownLastStageMicroBatch_IsNotFound) {
   }
 }
 
+// ---- Split backward ----------------------------------------------------------------------
+
+// The projections of the transformer blocks: what a split backward defers.
+bool Deferred(Model& m, uint32_t i) {
+  const cai_param_info info = m.ParamInfo(i);
+  return info.unit >= 1 && info.unit <= 2 && info.role != CAI_ROLE_NORM;
+}
+
+// Two stages of a two-block model, both split: after their stage_backward every gradient but
+// the blocks' projections' is there, the projections' (weights and biases) have none, and the
+// weight passes complete them to the whole model's. GRAD_READY fires once per parameter, and a
+// block's POST_BACKWARD only in its weight pass. With and without activation checkpointing
+// (whose recomputation in backward defers as the forward would have).
+TEST(SplitBackward, WeightPassesCompleteTheGradients_EqualUnsplit) {
+  for (ModelConfig c : {Gpt2Config(), LlamaConfig()}) {
+    for (bool checkpointing : {false, true}) {
+      auto whole = MakeZooModel(c, 93), m = MakeZooModel(c, 93);
+      m->SetActivationCheckpointing(checkpointing);
+      const std::string what = std::string(m->Describe()) + (checkpointing ? " checkpointing" : "");
+      Batch batch;
+      const double loss = whole->ForwardBackward(batch.tokens.desc(), batch.targets.desc(), true);
+      // GRAD_READY fires once per stage_backward that reaches a parameter: twice for GPT-2's
+      // tied embedding, read by both stages.
+      std::vector<int> expected_ready(m->NumParams(), 1);
+      if (c.arch == ModelConfig::Arch::kGpt2) expected_ready[0] = 2;
+      std::vector<int> ready(m->NumParams(), 0);
+      std::vector<std::string> post;
+      m->AddHook(CAI_HOOK_GRAD_READY, -1, -1, [&](const cai_hook_event& e) { ++ready[e.param]; });
+      m->AddHook(CAI_HOOK_POST_BACKWARD, -1, -1, [&](const cai_hook_event& e) {
+        post.push_back("post_bwd" + std::to_string(e.unit));
+      });
+      cai_tensor tokens = batch.tokens.desc(), targets = batch.targets.desc();
+      const int32_t n = int32_t(m->NumUnits());
+      // Stage 0: the embedding and block 1; stage 1: block 2 and the head.
+      Model::StageResult first =
+          m->StageForward(0, 2, &tokens, nullptr, nullptr, false, /*split_backward=*/true);
+      cai_tensor hidden = Model::ActivationData(*first.output);
+      Model::StageResult last = m->StageForward(2, n, nullptr, &targets, &hidden, false, true);
+      EXPECT_EQ(last.loss, loss) << what;
+      HostTensor<float> grad({2, 8, 32}, kF32);
+      cai_tensor grad_desc = grad.desc();
+      m->StageBackward(nullptr, 0, nullptr, &grad_desc);
+      m->StageBackward(first.output.get(), 0, &grad_desc, nullptr);
+      // The caller's gradient buffer is borrowed for the call only: the weight pass must not
+      // read it.
+      std::fill(grad.data.begin(), grad.data.end(), 1e3f);
+      EXPECT_EQ(post, (std::vector<std::string>{"post_bwd3", "post_bwd0"})) << what;
+      for (uint32_t i = 0; i < m->NumParams(); ++i) {
+        if (Deferred(*m, i)) {
+          EXPECT_THROW(m->ParamGrad(i), Error) << what << " " << m->ParamInfo(i).name;
+          EXPECT_EQ(ready[i], 0) << what << " " << m->ParamInfo(i).name;
+        } else {
+          EXPECT_EQ(ready[i], expected_ready[i]) << what << " " << m->ParamInfo(i).name;
+        }
+      }
+      // The weight passes in either order: the last stage's first here.
+      m->StageBackwardWeights(nullptr, 0);
+      m->StageBackwardWeights(first.output.get(), 0);
+      EXPECT_EQ(post,
+                (std::vector<std::string>{"post_bwd3", "post_bwd0", "post_bwd2", "post_bwd1"}))
+          << what;
+      EXPECT_EQ(ready, expected_ready) << what;
+      EXPECT_LT(MaxAbsDiff(Grads(*m), Grads(*whole)), 1e-6) << what;
+    }
+  }
+}
+
+// Gradients accumulate over micro-batches across the passes as they do unsplit: a second
+// micro-batch's weight pass adds to the first's.
+TEST(SplitBackward, TwoMicroBatches_AccumulateAsUnsplit) {
+  auto whole = MakeZooModel(LlamaConfig(), 95), m = MakeZooModel(LlamaConfig(), 95);
+  Batch batch;
+  cai_tensor tokens = batch.tokens.desc(), targets = batch.targets.desc();
+  const int32_t n = int32_t(m->NumUnits());
+  for (int mb = 0; mb < 2; ++mb) {
+    whole->ForwardBackward(tokens, targets, true, 1.0, 0.5);
+    m->StageForward(0, n, &tokens, &targets, nullptr, false, true);
+  }
+  m->StageBackward(nullptr, 0, nullptr, nullptr, 0.5);
+  m->StageBackward(nullptr, 1, nullptr, nullptr, 0.5);
+  m->StageBackwardWeights(nullptr, 1);
+  m->StageBackwardWeights(nullptr, 0);
+  EXPECT_LT(MaxAbsDiff(Grads(*m), Grads(*whole)), 1e-6);
+}
+
+TEST(SplitBackward, MisuseFailsNamingWhatToDo) {
+  auto m = MakeZooModel(Gpt2Config(), 97);
+  Batch batch;
+  cai_tensor tokens = batch.tokens.desc(), targets = batch.targets.desc();
+  const int32_t n = int32_t(m->NumUnits());
+  HostTensor<float> grad({2, 8, 32}, kF32);
+  cai_tensor grad_desc = grad.desc();
+  auto expect = [](cai_status_code code, const std::string& text, auto&& call) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected one saying " << text;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  expect(CAI_INVALID_ARGUMENT, "split_backward with no_grad",
+         [&] { m->StageForward(0, 2, &tokens, nullptr, nullptr, true, true); });
+  // Not split: stage_backward computed everything.
+  Model::StageResult plain = m->StageForward(0, 2, &tokens, nullptr, nullptr);
+  m->StageBackward(plain.output.get(), 0, &grad_desc, nullptr);
+  expect(CAI_FAILED_PRECONDITION, "was not split",
+         [&] { m->StageBackwardWeights(plain.output.get(), 0); });
+  // Before its stage_backward, and twice.
+  Model::StageResult split = m->StageForward(0, 2, &tokens, nullptr, nullptr, false, true);
+  expect(CAI_FAILED_PRECONDITION, "stage_backward first",
+         [&] { m->StageBackwardWeights(split.output.get(), 0); });
+  m->StageBackward(split.output.get(), 0, &grad_desc, nullptr);
+  m->StageBackwardWeights(split.output.get(), 0);
+  expect(CAI_FAILED_PRECONDITION, "already computed",
+         [&] { m->StageBackwardWeights(split.output.get(), 0); });
+  // The last stage: unknown, and not yet back-propagated.
+  expect(CAI_NOT_FOUND, "no last-stage micro_batch 4",
+         [&] { m->StageBackwardWeights(nullptr, 4); });
+  m->StageForward(2, n, nullptr, &targets, &grad_desc, false, true);
+  expect(CAI_FAILED_PRECONDITION, "run its stage_backward first",
+         [&] { m->StageBackwardWeights(nullptr, 0); });
+  m->StageBackward(nullptr, 0, nullptr, nullptr);
+  m->StageBackwardWeights(nullptr, 0);
+  // An activation released before its weight pass loses gradients: every call fails until
+  // zero_grad starts the step again.
+  Model::StageResult lost = m->StageForward(0, 2, &tokens, nullptr, nullptr, false, true);
+  m->StageBackward(lost.output.get(), 0, &grad_desc, nullptr);
+  lost.output.reset();
+  expect(CAI_FAILED_PRECONDITION, "call zero_grad",
+         [&] { m->StageForward(0, 2, &tokens, nullptr, nullptr); });
+  expect(CAI_FAILED_PRECONDITION, "released before stage_backward_weights",
+         [&] { m->ForwardBackward(tokens, targets, true); });
+  m->ZeroGrad(true);
+  EXPECT_NEAR(m->ForwardBackward(tokens, targets, true), std::log(64.0), 0.1);
+}
+
 // ---- The ABI table -------------------------------------------------------------------------
 
 TEST(ModelApi, Table_IsFullyFilled) {
@@ -838,9 +975,11 @@ TEST(ModelApi, CallerWithAbi10StructSizes_IsServedWithinThem) {
   ASSERT_EQ(api->stage_backward(h, &b), nullptr);
   cai_tensor g{};
   EXPECT_EQ(api->param_grad(h, 0, &g), nullptr);
-  // A 1.3 caller asking for no_grad gets a loss and no graph: nothing awaits a backward.
+  // A 1.3 caller asking for no_grad gets a loss and no graph: nothing awaits a backward. One
+  // built before split_backward was appended passes a struct ending at no_grad, and the byte
+  // after it (still 1 here) is not read.
   const double trained = loss;
-  args.struct_size = CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE;
+  args.struct_size = CAI_STRUCT_SIZE(cai_stage_forward_args, no_grad);
   args.no_grad = true;
   ASSERT_EQ(api->stage_forward(h, &args), nullptr);
   EXPECT_EQ(loss, trained);
@@ -865,7 +1004,8 @@ TEST(ModelApi, StageHandles_RoundTripThroughTheTable) {
                            nullptr,
                            &act,
                            nullptr,
-                           false};
+                           false,
+                           /*split_backward=*/true};
   ASSERT_EQ(api->stage_forward(h, &f), nullptr);
   cai_tensor data{};
   ASSERT_EQ(api->activation_data(act, &data), nullptr);
@@ -879,6 +1019,7 @@ TEST(ModelApi, StageHandles_RoundTripThroughTheTable) {
                            &data,
                            nullptr,
                            &loss,
+                           false,
                            false};
   ASSERT_EQ(api->stage_forward(h, &l), nullptr);
   EXPECT_NEAR(loss, std::log(64.0), 0.05);
@@ -892,6 +1033,12 @@ TEST(ModelApi, StageHandles_RoundTripThroughTheTable) {
   ASSERT_EQ(api->stage_backward(h, &b0), nullptr);
   cai_tensor g{};
   EXPECT_EQ(api->param_grad(h, 0, &g), nullptr);
+  // The first stage's projections (parameter 2 is block 0's attention query) have their
+  // gradients after the weight pass.
+  EXPECT_EQ(Take(api->param_grad(h, 2, &g)).code, CAI_FAILED_PRECONDITION);
+  cai_stage_backward_weights_args w{CAI_STAGE_BACKWARD_WEIGHTS_ARGS_STRUCT_SIZE, nullptr, act, 0};
+  ASSERT_EQ(api->stage_backward_weights(h, &w), nullptr);
+  EXPECT_EQ(api->param_grad(h, 2, &g), nullptr);
   api->activation_release(act);
   api->activation_release(nullptr);
 }

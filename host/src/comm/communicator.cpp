@@ -200,8 +200,12 @@ struct cai_comm_group {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::shared_ptr<WorkState>> queue;
-  std::deque<std::pair<std::shared_ptr<WorkState>, std::unique_ptr<gloo::transport::UnboundBuffer>>>
-      p2p;
+  // Posted sends and receives, each waited for in posting order by a thread of its own: a
+  // receive completes as soon as its data is in, never behind a send still waiting for its
+  // peer's receive (a zero-bubble pipeline sends ahead of what its peer receives next).
+  using PostedP2P =
+      std::pair<std::shared_ptr<WorkState>, std::unique_ptr<gloo::transport::UnboundBuffer>>;
+  std::array<std::deque<PostedP2P>, 2> p2p;  // [0] receives, [1] sends
   std::condition_variable p2p_cv;
   bool stopping = false;
   uint64_t issued = 0;  // collectives issued so far
@@ -210,7 +214,7 @@ struct cai_comm_group {
   std::chrono::steady_clock::time_point running_since;
   std::string last_done;  // the last collective the worker finished
   std::thread worker;
-  std::thread p2p_waiter;
+  std::array<std::thread, 2> p2p_waiters;  // as p2p
 
   std::string RankName(int group_rank) const {
     if (name == "world") return "rank " + std::to_string(group_rank);
@@ -561,7 +565,7 @@ class Communicator::Impl {
     g->cv.notify_all();
     g->p2p_cv.notify_all();
     g->worker.join();
-    g->p2p_waiter.join();
+    for (std::thread& t : g->p2p_waiters) t.join();
     delete g;
   }
 
@@ -847,7 +851,9 @@ class Communicator::Impl {
     g->lane_contexts = std::move(lanes);
     cai_comm_group* raw = g.get();
     raw->worker = std::thread([this, raw] { WorkerLoop(*raw); });
-    raw->p2p_waiter = std::thread([this, raw] { PointToPointLoop(*raw); });
+    for (size_t sends = 0; sends < 2; ++sends) {
+      raw->p2p_waiters[sends] = std::thread([this, raw, sends] { PointToPointLoop(*raw, sends); });
+    }
     std::lock_guard<std::mutex> lock(mu_);
     groups_.insert(g.release());
     return raw;
@@ -923,7 +929,12 @@ class Communicator::Impl {
 
   void WirePointToPoint(cai_comm_group& g, cai_comm_op op) {
     std::optional<uint64_t> bytes;
-    if (g.sent) {
+    if (g.sent && op == CAI_COMM_RECV) {
+      // A receive puts only its ready notification on the wire. What the counter shows when it
+      // completes is the sends' (waited for on another thread), which their completion reads;
+      // the notification's few bytes go to whatever reads the counter next.
+      bytes = 0;
+    } else if (g.sent) {
       std::lock_guard<std::mutex> lock(g.wire_mu);
       bytes = std::exchange(g.wire_carry, 0);
       if (!g.in_collective) {  // else what was sent since WireBegin is the collective's
@@ -963,9 +974,9 @@ class Communicator::Impl {
           auto buffer = comm::PostPointToPoint(*g.context, spec);
           {
             std::lock_guard<std::mutex> lock(g.mu);
-            g.p2p.emplace_back(std::move(w), std::move(buffer));
+            g.p2p[spec.op == CAI_COMM_SEND].emplace_back(std::move(w), std::move(buffer));
           }
-          g.p2p_cv.notify_one();
+          g.p2p_cv.notify_all();
         } catch (const std::exception& e) {
           Fail(g, *w, Classify(e.what()), e.what());
         }
@@ -1156,16 +1167,18 @@ class Communicator::Impl {
     }
   }
 
-  void PointToPointLoop(cai_comm_group& g) {
+  // Waits for the group's posted receives (sends: 1) in posting order.
+  void PointToPointLoop(cai_comm_group& g, size_t sends) {
+    auto& posted = g.p2p[sends];
     for (;;) {
       std::shared_ptr<WorkState> w;
       std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
       {
         std::unique_lock<std::mutex> lock(g.mu);
-        g.p2p_cv.wait(lock, [&] { return !g.p2p.empty() || (g.stopping && g.queue.empty()); });
-        if (g.p2p.empty()) return;
-        std::tie(w, buffer) = std::move(g.p2p.front());
-        g.p2p.pop_front();
+        g.p2p_cv.wait(lock, [&] { return !posted.empty() || (g.stopping && g.queue.empty()); });
+        if (posted.empty()) return;
+        std::tie(w, buffer) = std::move(posted.front());
+        posted.pop_front();
       }
       try {
         comm::WaitPointToPoint(*buffer, w->spec);

@@ -32,7 +32,9 @@
 // middle stages; or num_layers_per_stage); the units before the first block (the embedding) join
 // virtual stage 0, those after the last (final norm, head) the last one. Virtual stage v runs on
 // pipeline rank v mod pp_size, so with num_model_chunks = c each rank holds c chunks of the
-// model (the interleaved schedule). A rank keeps only the parameters its chunks hold or read
+// model (the interleaved schedule); under zbv, rank r holds stages r and 2·pp_size − 1 − r (a V:
+// stage 0 and the last share rank 0, and stage pp_size − 1 hands its output to stage pp_size on
+// the same rank, without a send). A rank keeps only the parameters its chunks hold or read
 // (GPT-2's head reads the token embedding held by stage 0): after boost the others are released.
 //
 // A parameter several pipeline ranks need (the tied embedding) is held by each of them and
@@ -43,7 +45,9 @@
 // One step (execute_pipeline, pp_size > 1), per rank, for the m micro-batches of its replica:
 //  schedule  1f1b: min(p - r - 1, m) warm-up forwards, then one forward one backward, then the
 //            remaining backwards (Narayanan et al., PipeDream-Flush); interleaved: Megatron-LM's
-//            schedule over its chunks (Narayanan et al., SC'21), m a multiple of pp_size.
+//            schedule over its chunks (Narayanan et al., SC'21), m a multiple of pp_size; zbv:
+//            the zero-bubble V schedule (ZeroBubbleVSchedule), each backward split into the
+//            input-gradient pass and a weight-gradient pass that runs where 1F1B would wait.
 //  forward   stage 0 takes the tokens; every other virtual stage receives its input activation
 //            from the previous one (send/recv on the pipeline group, in fp32, bf16 under bf16);
 //            the last computes the loss, weighted by the micro-batch's share of the global batch.
@@ -93,15 +97,16 @@ using sdk::Host;
 using Clock = std::chrono::steady_clock;
 
 constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
-const char* const kPipelineStyles[] = {"1f1b", "interleaved", nullptr};
+const char* const kPipelineStyles[] = {"1f1b", "interleaved", "zbv", nullptr};
 const char* const kSequenceModes[] = {"split_gather", "ring", "all_to_all", "ring_attn", nullptr};
 
 // One operation of a rank's schedule: the forward or backward of micro-batch `mb` through its
-// model chunk `chunk`.
+// model chunk `chunk`, or (`weights`, zbv) the weight-gradient pass of a split backward.
 struct Op {
   bool forward;
   int32_t mb;
   int32_t chunk;
+  bool weights = false;
 };
 
 // A rank's order of operations (see the header comment).
@@ -133,6 +138,83 @@ std::vector<Op> PipelineSchedule(int32_t pp, int32_t rank, int32_t m, int32_t ch
   }
   for (int32_t k = total - warmup; k < total; ++k) ops.push_back({false, mb(k), chunk(k, false)});
   return ops;
+}
+
+// ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"; ColossalAI's zbv):
+// 2·pp virtual stages in a V, rank r holding stages r (chunk 0) and 2·pp − 1 − r (chunk 1), every
+// backward split into B (the input's gradient, which the previous stage waits for) and W (the
+// weight gradients, which nothing waits for). The order comes from simulating every rank with
+// equal times for F, B and W: at each tick an idle rank runs a ready B (earliest micro-batch
+// first), else a ready F while it holds fewer than 2·pp chunk activations (1F1B's peak: pp
+// micro-batches through a whole stage), its second chunk first, else its oldest W. W fills what
+// would be bubbles. An order the simulation produced respects every dependency, and the executor
+// posts receives ahead and never blocks on a send, so it runs as simulated. `ticks` receives the
+// simulated step's length, against 6·m ticks of work per rank.
+std::vector<Op> ZeroBubbleVSchedule(int32_t pp, int32_t rank, int32_t m, int64_t* ticks) {
+  const int32_t stages = 2 * pp, limit = 2 * pp;
+  auto stage = [&](int32_t r, int32_t c) { return c == 0 ? r : stages - 1 - r; };
+  constexpr int64_t kNotYet = -1;
+  // Tick at which F / B of (micro-batch, virtual stage) ran.
+  std::vector<int64_t> f_done(size_t(m) * stages, kNotYet), b_done(f_done);
+  auto at = [&](int32_t mb, int32_t v) { return size_t(mb) * stages + v; };
+  struct RankState {
+    std::array<int32_t, 2> next_f{0, 0}, next_b{0, 0};
+    std::deque<std::pair<int32_t, int32_t>> w;  // (mb, chunk) awaiting W
+    int32_t held = 0;                           // chunk activations held (F done, W not)
+    std::vector<Op> ops;
+  };
+  std::vector<RankState> ranks(pp);
+  const size_t total = size_t(3) * 2 * m * pp;
+  size_t done = 0;
+  int64_t tick = 0;
+  for (; done < total; ++tick) {
+    auto ran_before = [&](const std::vector<int64_t>& when, int32_t mb, int32_t v) {
+      return when[at(mb, v)] != kNotYet && when[at(mb, v)] < tick;
+    };
+    std::vector<std::pair<int32_t, Op>> started;
+    for (int32_t r = 0; r < pp; ++r) {
+      RankState& st = ranks[r];
+      std::optional<Op> op;
+      for (int32_t c = 0; c < 2; ++c) {  // B: the earliest micro-batch, then chunk 0
+        const int32_t mb = st.next_b[c], v = stage(r, c);
+        if (mb < m && ran_before(f_done, mb, v) &&
+            (v == stages - 1 || ran_before(b_done, mb, v + 1)) && (!op || mb < op->mb)) {
+          op = Op{false, mb, c};
+        }
+      }
+      for (int32_t c = 1; !op && st.held < limit && c >= 0; --c) {  // F: chunk 1 first
+        const int32_t mb = st.next_f[c], v = stage(r, c);
+        if (mb < m && (v == 0 || ran_before(f_done, mb, v - 1))) op = Op{true, mb, c};
+      }
+      if (!op && !st.w.empty()) op = Op{false, st.w.front().first, st.w.front().second, true};
+      if (op) started.emplace_back(r, *op);
+    }
+    if (started.empty()) {
+      throw Error(CAI_INTERNAL, "hybrid_parallel: the zbv schedule stalled at pp_size " +
+                                    std::to_string(pp) + ", " + std::to_string(m) +
+                                    " micro-batches");
+    }
+    for (const auto& [r, op] : started) {
+      RankState& st = ranks[r];
+      const int32_t v = stage(r, op.chunk);
+      if (op.weights) {
+        st.w.pop_front();
+        --st.held;
+      } else if (op.forward) {
+        f_done[at(op.mb, v)] = tick;
+        ++st.next_f[op.chunk];
+        ++st.held;
+      } else {
+        b_done[at(op.mb, v)] = tick;
+        ++st.next_b[op.chunk];
+        st.w.emplace_back(op.mb, op.chunk);
+      }
+      st.ops.push_back(op);
+      ++done;
+    }
+  }
+  *ticks = tick;
+  return ranks[rank].ops;
 }
 
 // ColossalAI's distribute_layers: `layers` blocks over `stages` virtual stages, evenly, the
@@ -229,11 +311,15 @@ class HybridParallel {
                    1, 0, kMin),
             StringKey("pp_style", "\"1f1b\"",
                       "1f1b: one forward one backward (PipeDream-Flush); interleaved: "
-                      "num_model_chunks chunks per rank (Megatron-LM), fewer bubbles.",
+                      "num_model_chunks chunks per rank (Megatron-LM), fewer bubbles; zbv: "
+                      "zero-bubble V (num_model_chunks = 2, rank r holding virtual stages r and "
+                      "2 x pp_size - 1 - r, backward split into input- and weight-gradient "
+                      "passes, the weight passes run where 1F1B waits; 1F1B's activation peak).",
                       kPipelineStyles),
             IntKey("num_model_chunks", "1",
-                   "Model chunks per pipeline rank; > 1 needs pp_style = \"interleaved\".", 1, 0,
-                   kMin),
+                   "Model chunks per pipeline rank; > 1 needs pp_style = \"interleaved\" or "
+                   "\"zbv\" (which takes 2).",
+                   1, 0, kMin),
             IntKey("num_microbatches", "0",
                    "Micro-batches per step; 0 = train.grad_accum, which it must equal otherwise.",
                    0, 0, kMin),
@@ -334,11 +420,19 @@ class HybridParallel {
     ckpt_ratio_ = config.Float("gradient_checkpointing_ratio");
     vocab_divisible_by_ = config.Int("make_vocab_size_divisible_by");
     interleaved_ = config.String("pp_style") == "interleaved";
+    zbv_ = config.String("pp_style") == "zbv";
     chunks_ = static_cast<int32_t>(config.Int("num_model_chunks"));
-    if (chunks_ > 1 && !interleaved_) {
+    if (chunks_ > 1 && !interleaved_ && !zbv_) {
       throw Error(CAI_INVALID_ARGUMENT,
                   "hybrid_parallel: num_model_chunks = " + std::to_string(chunks_) +
-                      " needs pp_style = \"interleaved\"");
+                      " needs pp_style = \"interleaved\" or \"zbv\"");
+    }
+    if (zbv_ && (chunks_ != 2 || pp_ < 2)) {
+      // ColossalAI asserts the same: the V is two chunks per rank over a real pipeline.
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "hybrid_parallel: pp_style = \"zbv\" needs num_model_chunks = 2 (got " +
+                      std::to_string(chunks_) + ") and pp_size > 1 (got " + std::to_string(pp_) +
+                      ")");
     }
     if (interleaved_ && chunks_ < 2) {
       throw Error(CAI_INVALID_ARGUMENT,
@@ -411,6 +505,11 @@ class HybridParallel {
                       ") to be a multiple of pp_size = " + std::to_string(pp_));
     }
     sdk::RequireFp32Params(model_, kName);
+    if (zbv_ && !CAI_HAS_FIELD(Host().model, cai_model_api, stage_backward_weights)) {
+      throw Error(CAI_FAILED_PRECONDITION,
+                  "hybrid_parallel: pp_style = \"zbv\" needs a host with ABI 1.3's split "
+                  "backward (stage_backward_weights); use pp_style = \"1f1b\" or upgrade cai");
+    }
     MakeGroups();
     if (tp_ > 1) ApplyTensorParallel();
     if (sp_mode_ != 0) ApplySequenceParallel();
@@ -473,11 +572,25 @@ class HybridParallel {
              : sp_mode_ == CAI_SEQUENCE_PARALLEL_ALL_TO_ALL ? " (sequence parallelism all_to_all)"
              : sp_mode_ == CAI_SEQUENCE_PARALLEL_RING_ATTN  ? " (sequence parallelism ring_attn)"
                                                             : "")
-         << ", " << (interleaved_ ? "interleaved" : "1f1b") << " over " << microbatches_
-         << " micro-batches, zero_stage " << zero_stage_ << "; pipeline rank " << pp_rank_
-         << " runs";
+         << ", "
+         << (zbv_           ? "zbv"
+             : interleaved_ ? "interleaved"
+                            : "1f1b")
+         << " over " << microbatches_ << " micro-batches, zero_stage " << zero_stage_
+         << "; pipeline rank " << pp_rank_ << " runs";
     for (const Stage& s : stages_) {
       line << " units [" << s.first_unit << ", " << s.last_unit << ")";
+    }
+    if (zbv_) {
+      int64_t ticks = 0;
+      schedule_ = ZeroBubbleVSchedule(pp_, pp_rank_, microbatches_, &ticks);
+      const int64_t work = 6 * int64_t{microbatches_};
+      line << "; the zbv schedule takes " << ticks << " ticks for " << work
+           << " of work per rank with equal F, B and W times (bubble "
+           << double(ticks - work) / double(ticks) << "; 1F1B's "
+           << double(pp_ - 1) / double(microbatches_ + pp_ - 1) << ")";
+    } else if (pp_ > 1) {
+      schedule_ = PipelineSchedule(pp_, pp_rank_, microbatches_, chunks_);
     }
     line << ", holds " << held.size() << " parameter tensors";
     if (!shared_.empty()) line << " (" << shared_.size() << " shared with other stages)";
@@ -487,7 +600,9 @@ class HybridParallel {
   void ParallelLayout(cai_parallel_layout& out) {
     out.data_parallel_rank = dp_rank_;
     out.data_parallel_size = dp_;
-    out.reports_loss = pp_rank_ == pp_ - 1 && sp_rank_ == 0 && tp_rank_ == 0;
+    // The last virtual stage computes the loss: on the last rank, or on rank 0 at the end of
+    // zbv's V.
+    out.reports_loss = pp_rank_ == (zbv_ ? 0 : pp_ - 1) && sp_rank_ == 0 && tp_rank_ == 0;
     out.pipelines = pp_ > 1;
   }
 
@@ -529,11 +644,13 @@ class HybridParallel {
     if (zero_) zero_->WaitGathers();
     const Clock::time_point start = Clock::now();
     double loss = 0;
-    const std::vector<Op> ops = PipelineSchedule(pp_, pp_rank_, microbatches_, chunks_);
+    const std::vector<Op>& ops = schedule_;
     for (size_t i = 0; i < ops.size(); ++i) {
       PostRecv(ops[i], args);
       if (overlap_p2p_ && i + 1 < ops.size()) PostRecv(ops[i + 1], args);
-      if (ops[i].forward) {
+      if (ops[i].weights) {
+        Weights(ops[i]);
+      } else if (ops[i].forward) {
         loss += Forward(ops[i], args.micro_batches[ops[i].mb]);
       } else {
         Backward(ops[i], args.micro_batches[ops[i].mb]);
@@ -542,7 +659,7 @@ class HybridParallel {
     }
     for (Pending& s : sends_) s.work.Wait();
     sends_.clear();
-    if (!activations_.empty() || !recvs_.empty()) {
+    if (!activations_.empty() || !recvs_.empty() || !awaiting_weights_.empty()) {
       throw Error(CAI_INTERNAL, "hybrid_parallel: the schedule left activations or receives");
     }
     if (args.loss) *args.loss = loss;
@@ -560,15 +677,18 @@ class HybridParallel {
       return;
     }
     *batch.loss = 0;
+    Buffer handed;  // zbv: the output of this rank's chunk 0 is its chunk 1's input
     for (int32_t c = 0; c < chunks_; ++c) {
-      const int32_t v = c * pp_ + pp_rank_;
+      const int32_t v = VirtualStage(c);
       const Stage& stage = stages_[c];
       Buffer input;
       int64_t shape[3];
       BoundaryShape(*batch.tokens, shape);
-      if (v > 0) {
+      if (v > 0 && RankOf(v - 1) == pp_rank_) {
+        input = std::move(handed);
+      } else if (v > 0) {
         input = sdk::AllocFlat(CAI_MEM_DEVICE, Elements(shape), wire_dtype_, "pipeline.eval");
-        P2P(CAI_COMM_RECV, Tensor3(input, shape), (v - 1) % pp_, Tag(2, 0, v)).Wait();
+        P2P(CAI_COMM_RECV, Tensor3(input, shape), RankOf(v - 1), Tag(2, 0, v)).Wait();
       }
       cai_stage_forward_args f{};
       f.struct_size = CAI_STAGE_FORWARD_ARGS_STRUCT_SIZE;
@@ -586,7 +706,11 @@ class HybridParallel {
       if (v == last_stage_) continue;
       Buffer wire = ToWire(out, shape);
       Host().model->activation_release(out);
-      P2P(CAI_COMM_SEND, Tensor3(wire, shape), (v + 1) % pp_, Tag(2, 0, v + 1)).Wait();
+      if (RankOf(v + 1) == pp_rank_) {
+        handed = std::move(wire);
+      } else {
+        P2P(CAI_COMM_SEND, Tensor3(wire, shape), RankOf(v + 1), Tag(2, 0, v + 1)).Wait();
+      }
     }
   }
 
@@ -844,7 +968,7 @@ class HybridParallel {
       }
     }
     for (int32_t c = 0; c < chunks_; ++c) {
-      const int32_t v = c * pp_ + pp_rank_;
+      const int32_t v = VirtualStage(c);
       std::vector<uint32_t> blocks;
       for (int32_t u = stages_[c].first_unit; u < stages_[c].last_unit; ++u) {
         cai_unit_info info{};
@@ -967,14 +1091,14 @@ class HybridParallel {
       next += per[v];
       all[v].last_unit = v == total - 1 ? static_cast<int32_t>(num_units) : next;
     }
-    for (int32_t c = 0; c < chunks_; ++c) stages_.push_back(all[c * pp_ + pp_rank_]);
+    for (int32_t c = 0; c < chunks_; ++c) stages_.push_back(all[VirtualStage(c)]);
 
     // For every pipeline rank, the parameters its units hold or read.
     const bool reads = CAI_HAS_FIELD(&units[0], cai_unit_info, reads);
     std::vector<std::set<int32_t>> ranks_of(num_params);
     std::vector<int32_t> holder(num_params, -1);
     for (int32_t v = 0; v < total; ++v) {
-      const int32_t rank = v % pp_;
+      const int32_t rank = RankOf(v);
       for (int32_t u = all[v].first_unit; u < all[v].last_unit; ++u) {
         for (uint32_t i = 0; i < units[u].num_params; ++i) {
           ranks_of[units[u].params[i]].insert(rank);
@@ -1135,15 +1259,16 @@ class HybridParallel {
   // The receive `op` needs, posted once: an activation from the previous virtual stage before
   // a forward, a gradient from the next before a backward.
   void PostRecv(const Op& op, const cai_pipeline_args& args) {
-    const int32_t v = op.chunk * pp_ + pp_rank_;
-    if ((op.forward && v == 0) || (!op.forward && v == last_stage_)) return;
+    const int32_t v = VirtualStage(op.chunk);
+    if (op.weights || (op.forward && v == 0) || (!op.forward && v == last_stage_)) return;
+    const int32_t peer = op.forward ? RankOf(v - 1) : RankOf(v + 1);
+    if (peer == pp_rank_) return;  // handed over in this process (SendOrHandOver)
     const auto key = std::make_tuple(op.forward, op.mb, op.chunk);
     if (recvs_.count(key)) return;
     Pending& p = recvs_[key];
     BoundaryShape(*args.micro_batches[op.mb].tokens, p.shape);
     p.buffer = sdk::AllocFlat(CAI_MEM_DEVICE, Elements(p.shape), wire_dtype_,
                               op.forward ? "pipeline.activation" : "pipeline.grad");
-    const int32_t peer = op.forward ? (v - 1) % pp_ : (v + 1) % pp_;
     p.work =
         P2P(CAI_COMM_RECV, Tensor3(p.buffer, p.shape), peer, Tag(op.forward ? 0 : 1, op.mb, v));
   }
@@ -1186,7 +1311,7 @@ class HybridParallel {
 
   // Returns the micro-batch's weighted loss on the last virtual stage, 0 elsewhere.
   double Forward(const Op& op, const cai_micro_batch& batch) {
-    const int32_t v = op.chunk * pp_ + pp_rank_;
+    const int32_t v = VirtualStage(op.chunk);
     const Stage& stage = stages_[op.chunk];
     Pending input;
     cai_tensor in{};
@@ -1205,6 +1330,7 @@ class HybridParallel {
     f.output = &out;
     double loss = 0;
     f.loss = &loss;
+    f.split_backward = zbv_;
     const Clock::time_point start = Clock::now();
     Check(Host().model->stage_forward(model_, &f));
     busy_s_ += std::chrono::duration<double>(Clock::now() - start).count();
@@ -1215,13 +1341,13 @@ class HybridParallel {
     }
     int64_t shape[3];
     BoundaryShape(*batch.tokens, shape);
-    Send(ToWire(out, shape), shape, (v + 1) % pp_, Tag(0, op.mb, v + 1));
+    SendOrHandOver(true, op.mb, v + 1, ToWire(out, shape), shape);
     activations_[{op.mb, op.chunk}] = out;
     return 0;
   }
 
   void Backward(const Op& op, const cai_micro_batch& batch) {
-    const int32_t v = op.chunk * pp_ + pp_rank_;
+    const int32_t v = VirtualStage(op.chunk);
     cai_stage_backward_args b{};
     b.struct_size = CAI_STAGE_BACKWARD_ARGS_STRUCT_SIZE;
     Pending grad_out;
@@ -1230,6 +1356,7 @@ class HybridParallel {
     if (v == last_stage_) {
       auto it = last_forward_.find(op.mb);
       b.micro_batch = it->second;
+      if (zbv_) last_weights_[op.mb] = it->second;
       last_forward_.erase(it);
       // The micro-batch's share of the global batch, and fp16's loss scale.
       b.loss_scale = batch.loss_weight * epilogue_->loss_scale();
@@ -1254,10 +1381,54 @@ class HybridParallel {
     const Clock::time_point start = Clock::now();
     cai_status* status = Host().model->stage_backward(model_, &b);
     busy_s_ += std::chrono::duration<double>(Clock::now() - start).count();
-    if (act) Host().model->activation_release(act);
+    if (zbv_ && status == nullptr) {
+      awaiting_weights_[{op.mb, op.chunk}] = act;  // released after its weight pass
+    } else if (act) {
+      Host().model->activation_release(act);
+    }
     Check(status);
-    if (v > 0) Send(std::move(grad_in), shape, (v - 1) % pp_, Tag(1, op.mb, v - 1));
+    if (v > 0) SendOrHandOver(false, op.mb, v - 1, std::move(grad_in), shape);
   }
+
+  // The weight-gradient pass of a split backward (zbv).
+  void Weights(const Op& op) {
+    auto it = awaiting_weights_.find({op.mb, op.chunk});
+    cai_stage_backward_weights_args w{};
+    w.struct_size = CAI_STAGE_BACKWARD_WEIGHTS_ARGS_STRUCT_SIZE;
+    w.activation = it->second;
+    if (!w.activation) {
+      auto last = last_weights_.find(op.mb);
+      w.micro_batch = last->second;
+      last_weights_.erase(last);
+    }
+    awaiting_weights_.erase(it);
+    const Clock::time_point start = Clock::now();
+    cai_status* status = Host().model->stage_backward_weights(model_, &w);
+    busy_s_ += std::chrono::duration<double>(Clock::now() - start).count();
+    if (w.activation) Host().model->activation_release(w.activation);
+    Check(status);
+  }
+
+  // What virtual stage `to` receives from this rank (an activation when `forward`, else a
+  // gradient): sent, or, where this rank runs `to` too (zbv's turn of the V), handed over as
+  // an already received buffer.
+  void SendOrHandOver(bool forward, int32_t mb, int32_t to, Buffer buffer, const int64_t* shape) {
+    if (RankOf(to) != pp_rank_) {
+      Send(std::move(buffer), shape, RankOf(to), Tag(forward ? 0 : 1, mb, to));
+      return;
+    }
+    Pending& p = recvs_[std::make_tuple(forward, mb, ChunkOf(to))];
+    p.buffer = std::move(buffer);
+    std::copy(shape, shape + 3, p.shape);
+  }
+
+  // Virtual stages: chunk c of pipeline rank r runs c·pp + r (1F1B, interleaved), or r and
+  // 2·pp − 1 − r (zbv's V).
+  int32_t VirtualStage(int32_t chunk) const {
+    return zbv_ && chunk == 1 ? 2 * pp_ - 1 - pp_rank_ : chunk * pp_ + pp_rank_;
+  }
+  int32_t RankOf(int32_t v) const { return zbv_ && v >= pp_ ? 2 * pp_ - 1 - v : v % pp_; }
+  int32_t ChunkOf(int32_t v) const { return zbv_ ? (v >= pp_ ? 1 : 0) : v / pp_; }
 
   // The tied parameters' gradients summed over the pipeline ranks that use them.
   void SumSharedGrads() {
@@ -1290,6 +1461,7 @@ class HybridParallel {
   double ckpt_ratio_ = 0;
   int64_t vocab_divisible_by_ = 64;
   bool interleaved_ = false;
+  bool zbv_ = false;
   int32_t chunks_ = 1;
   int64_t num_microbatches_ = 0, microbatch_size_ = 0;
   std::string layers_per_stage_text_;
@@ -1309,6 +1481,7 @@ class HybridParallel {
   int32_t last_stage_ = 0;             // the last virtual stage
   int64_t hidden_ = 0;                 // activation width between stages
   std::vector<Stage> stages_;          // this rank's chunks, in chunk order
+  std::vector<Op> schedule_;           // this rank's operations in one execute_pipeline
   std::vector<uint8_t> needed_;        // per model parameter: this rank holds it
   std::vector<uint8_t> counted_;       // per model parameter: this rank counts and writes it
   std::vector<uint32_t> not_counted_;  // held here, counted by another pipeline rank
@@ -1329,6 +1502,10 @@ class HybridParallel {
   std::deque<Pending> sends_;
   std::map<std::pair<int32_t, int32_t>, cai_activation*> activations_;  // (mb, chunk)
   std::map<int32_t, int32_t> last_forward_;  // mb -> the model's last-stage forward number
+  // zbv: back-propagated stages awaiting their weight pass, (mb, chunk) -> activation (NULL:
+  // the last stage, whose forward number last_weights_ keeps).
+  std::map<std::pair<int32_t, int32_t>, cai_activation*> awaiting_weights_;
+  std::map<int32_t, int32_t> last_weights_;
   int32_t last_forward_count_ = 0;
   mutable std::map<std::tuple<int64_t, int64_t, int64_t>, std::array<int64_t, 3>> strides_;
   double busy_s_ = 0, pipeline_s_ = 0;

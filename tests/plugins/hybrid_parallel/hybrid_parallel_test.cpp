@@ -147,6 +147,39 @@ TEST(HybridParallel, Interleaved_Pp2TwoChunksMatchesReference) {
       kFp32Tolerance);
 }
 
+// The zero-bubble V: rank r holds virtual stages r and 2p − 1 − r, every backward split into
+// its input-gradient pass and a weight-gradient pass run later (ABI 1.3's split backward).
+// pp 2 (4 virtual stages of one block each) with GPT-2's tied embedding (stage 0 and the last
+// on rank 0), pp 3 over 6 blocks in plain SGD (a gradient off by a factor shows), Llama with
+// every block recomputing (the recomputation defers as the forward would), and pp 2 × dp 2
+// under ZeRO-1, whose reduce-scatters start from the weight passes' GRAD_READY.
+std::vector<std::string> Zbv(int pp, std::vector<std::string> extra = {}) {
+  std::vector<std::string> options = {"pp_size=" + std::to_string(pp), "pp_style=\"zbv\"",
+                                      "num_model_chunks=2"};
+  options.insert(options.end(), extra.begin(), extra.end());
+  return options;
+}
+
+TEST(HybridParallel, Zbv_Pp2AndPp3MatchReference) {
+  const TrainRun ref = Reference("gpt", {});
+  const TrainRun run = Hybrid("zbv_pp2", 2, Zbv(2));
+  ExpectMatches(ref, run, kFp32Tolerance);
+  EXPECT_NE(run.output.find("zbv over 4 micro-batches"), std::string::npos) << run.output;
+  // No other pipeline rank holds the tied embedding: the V puts both its uses on rank 0.
+  EXPECT_EQ(run.output.find("shared with other stages"), std::string::npos) << run.output;
+
+  std::vector<std::string> sgd = cai::testing::kPlainSgdSets;
+  sgd.push_back("model.n_layer=6");
+  ExpectMatches(Reference("sgd6", sgd), Hybrid("zbv_pp3_sgd", 3, Zbv(3), sgd), kFp32Tolerance);
+
+  const std::vector<std::string> llama = {"model.kind=llama", "model.n_kv_head=1"};
+  ExpectMatches(
+      Reference("llama", llama),
+      Hybrid("zbv_llama_recompute", 2, Zbv(2, {"gradient_checkpointing_ratio=1.0"}), llama),
+      kFp32Tolerance);
+  ExpectMatches(ref, Hybrid("zbv_pp2dp2_zero1", 4, Zbv(2, {"zero_stage=1"})), kFp32Tolerance);
+}
+
 TEST(HybridParallel, Bf16AndFp16_Pp2MatchReferencePerTensor) {
   const std::vector<std::string> bf16 = {"train.precision=bf16"};
   ExpectMatches(Reference("bf16", bf16), Hybrid("bf16", 2, {"pp_size=2"}, bf16),
@@ -263,7 +296,10 @@ TEST(HybridParallel, BadConfigurations_FailClearly) {
       {3, {"tp_size=3"}, {"tp_size = 3", "must divide the attention heads (n_head) (2)"}},
       {2, {"tp_size=2", "make_vocab_size_divisible_by=-1"}, {"make_vocab_size_divisible_by"}},
       {2, {"pp_size=2", "zero_stage=2"}, {"zero_stage = 2 with pp_size > 1", "zero_stage = 1"}},
-      {2, {"pp_size=2", "num_model_chunks=2"}, {"needs pp_style = \"interleaved\""}},
+      {2, {"pp_size=2", "num_model_chunks=2"}, {"needs pp_style = \"interleaved\" or \"zbv\""}},
+      {2,
+       {"pp_size=2", "pp_style=\"zbv\""},
+       {"pp_style = \"zbv\" needs num_model_chunks = 2 (got 1) and pp_size > 1"}},
       {2,
        {"pp_size=2", "pp_style=\"interleaved\"", "num_model_chunks=3"},
        {"4 transformer blocks cannot fill 6 virtual stages"}},

@@ -57,7 +57,8 @@
 //            0: DDP buckets; 1: ZeRO-1's reduce-scatter) and the step's agreement (Σ g², fp16
 //            overflow, used parameters) settled over the whole world; update; (ZeRO: all-gather).
 // Activation memory: under 1F1B a rank holds at most p - r micro-batches' activations at once,
-// not m (interleaved: about (p - r - 1)·2 + (c - 1)·p + 1 chunk activations).
+// not m (interleaved: about (p - r - 1)·2 + (c - 1)·p + 1 chunk activations; zbv: at most 2·p
+// chunk activations, half a stage each, counted until their weight pass).
 //
 // pp_size = 1 is pure data parallelism: forward_backward per micro-batch with the DDP reducer's
 // overlap and no_sync (or ZeRO-1/2 over the world).

@@ -22,9 +22,12 @@
 # - gemini's budget runs (its NVMe, host and auto placements are kept at small sizes);
 # - tensor parallelism's padded-vocabulary, bf16, accounting, grid, Llama and checkpoint-matrix
 #   runs (its tp 2 and 3 test and its Llama tp 2 run with every kernel run the same split,
-#   padding, gather and distributed loss code); sequence parallelism's accounting runs and
-#   Ulysses' Llama, grid and checkpoint runs (split_gather's tp 2 and 3 test and Ulysses' sp 2
-#   and 3 test run the same all-gathers, reduce-scatters, all-to-alls and shard loss), and ring
+#   padding, gather and distributed loss code), and its run of every kernel with per-stage
+#   recompute (the kernels' own tests in cai_model_test run here, recompute runs in zbv's Llama
+#   run); sequence parallelism's accounting runs, split_gather's GPT-2 tp 2 and 3 run (its
+#   Llama plain-SGD and pipeline run, kept, runs the same all-gathers, reduce-scatters and
+#   shard loss), Ulysses' Llama, grid and checkpoint runs (its sp 2 and 3 test runs the same
+#   all-to-alls and shard loss), and ring
 #   attention's likewise (its sp 2 and 3 test runs the same ring steps and zigzag split);
 #   hybrid_parallel's plain data-parallel path (ddp's and low_level_zero's own tests run it);
 # - the tables of bad configurations whose cases each start ranks only to refuse a key
@@ -44,7 +47,7 @@ skip=(
   'LowLevelZero\.(Stage2_SmallBuckets|Stage1_OneTwoThreeRanks|CommunicationPerStep|Memory_|Bf16_).*'
   'FsdpParity\.(SaveFullOnTwoRanksResumeOnThree|SaveShardedOnThreeRanksResumeOnTwo|TwoAndThreeRanks_BufferDtype|ThreeRanks_Bf16).*'
   'DdpParity\.(Ddp_TwoRanks_AllReduceBytesEqualGradientBytes|CheckpointOfAnotherStrategy).*'
-  'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama|Tp_PaddedVocabulary|Bf16_Tp2|Tp2_Communication|Checkpoint_Tp2Pp2|Tp2Pp2AndTp2Dp2|Tp2_LlamaGqa|ActivationMemoryPerBlock|SequenceParallel_(Communication|OddSequence)|SequenceParallelRing_Communication|Ulysses_(LlamaGqa|Sp2With|Checkpoints|Communication|BadConfigurations)|RingAttn_(LlamaGqa|Sp2With|Checkpoint|Communication|BadConfigurations)|BadConfigurations|DataParallelPath|TorchScriptPolicy_Missing).*'
+  'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama|Tp_PaddedVocabulary|Bf16_Tp2|Tp2_Communication|Checkpoint_Tp2Pp2|Tp2Pp2AndTp2Dp2|Tp2_LlamaGqa|ActivationMemoryPerBlock|SequenceParallel_(Communication|OddSequence|Tp2AndTp3)|AllOptimizations|SequenceParallelRing_Communication|Ulysses_(LlamaGqa|Sp2With|Checkpoints|Communication|BadConfigurations)|RingAttn_(LlamaGqa|Sp2With|Checkpoint|Communication|BadConfigurations)|BadConfigurations|DataParallelPath|TorchScriptPolicy_Missing).*'
   'LocalSgd\.SyncEveryStep_IsDdpExactly' 'ParallelLayout\.BadLayouts.*'
   'GeminiParity\.(TwoRanks_ChunkSearch|FourRanks_ExtraDataParallel|Bf16AndFp16|TwoAndThreeRanks_HostPlacement).*' 'GeminiBudget\..*'
 )

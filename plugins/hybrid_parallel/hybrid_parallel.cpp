@@ -141,6 +141,11 @@ std::vector<Op> PipelineSchedule(int32_t pp, int32_t rank, int32_t m, int32_t ch
   return ops;
 }
 
+// The virtual stage of chunk `chunk` (0 or 1) of pipeline rank `rank` in zbv's V.
+int32_t ZbvStage(int32_t pp, int32_t rank, int32_t chunk) {
+  return chunk == 0 ? rank : 2 * pp - 1 - rank;
+}
+
 // ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"; ColossalAI's zbv):
 // 2·pp virtual stages in a V, rank r holding stages r (chunk 0) and 2·pp − 1 − r (chunk 1), every
 // backward split into B (the input's gradient, which the previous stage waits for) and W (the
@@ -153,7 +158,7 @@ std::vector<Op> PipelineSchedule(int32_t pp, int32_t rank, int32_t m, int32_t ch
 // simulated step's length, against 6·m ticks of work per rank.
 std::vector<Op> ZeroBubbleVSchedule(int32_t pp, int32_t rank, int32_t m, int64_t* ticks) {
   const int32_t stages = 2 * pp, limit = 2 * pp;
-  auto stage = [&](int32_t r, int32_t c) { return c == 0 ? r : stages - 1 - r; };
+  auto stage = [&](int32_t r, int32_t c) { return ZbvStage(pp, r, c); };
   constexpr int64_t kNotYet = -1;
   // Tick at which F / B of (micro-batch, virtual stage) ran.
   std::vector<int64_t> f_done(size_t(m) * stages, kNotYet), b_done(f_done);
@@ -1426,7 +1431,7 @@ class HybridParallel {
   // Virtual stages: chunk c of pipeline rank r runs c·pp + r (1F1B, interleaved), or r and
   // 2·pp − 1 − r (zbv's V).
   int32_t VirtualStage(int32_t chunk) const {
-    return zbv_ && chunk == 1 ? 2 * pp_ - 1 - pp_rank_ : chunk * pp_ + pp_rank_;
+    return zbv_ ? ZbvStage(pp_, pp_rank_, chunk) : chunk * pp_ + pp_rank_;
   }
   int32_t RankOf(int32_t v) const { return zbv_ && v >= pp_ ? 2 * pp_ - 1 - v : v % pp_; }
   int32_t ChunkOf(int32_t v) const { return zbv_ ? (v >= pp_ ? 1 : 0) : v / pp_; }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <map>
 #include <optional>
+#include <unordered_map>
 #include <utility>
 
 #include "comm/comm_api.h"
@@ -181,6 +182,9 @@ struct Model::Impl {
 
   std::unique_ptr<Network> net;
   std::vector<Param> params;
+  // Each parameter's index by its tensor, which keeps its identity for the model's lifetime
+  // (storage and dtype change in place): how a deferred weight gradient finds its parameter.
+  std::unordered_map<const c10::TensorImpl*, uint32_t> param_index;
   std::vector<Unit> units;
   std::vector<DescribedShape> buffer_views;
   std::string description;
@@ -212,6 +216,7 @@ struct Model::Impl {
       param.spec = &spec;
       param.shape = spec.tensor.sizes().vec();
       params.push_back(std::move(param));
+      param_index[spec.tensor.unsafeGetTensorImpl()] = static_cast<uint32_t>(i);
       if (spec.unit >= 0) {
         Unit& u = units[spec.unit];
         u.params.push_back(static_cast<uint32_t>(i));
@@ -398,8 +403,7 @@ struct Model::Impl {
   // once a parameter's last deferred contribution is in, and POST_BACKWARD once a unit's are
   // (its stage_backward left them pending).
   void ComputeDeferredWeights(int32_t first, int32_t last, const WeightGradQueue& queue) {
-    std::map<const c10::TensorImpl*, uint32_t> index_of;
-    for (uint32_t i = 0; i < params.size(); ++i) index_of[T(i).unsafeGetTensorImpl()] = i;
+    auto index_of = [&](const torch::Tensor& p) { return param_index.at(p.unsafeGetTensorImpl()); };
     std::map<uint32_t, int> remaining;  // by parameter
     auto each = [&](auto&& visit) {
       for (const DeferredLinear& item : queue) {
@@ -407,9 +411,7 @@ struct Model::Impl {
         if (item.bias.defined()) visit(item, item.bias, false);
       }
     };
-    each([&](const DeferredLinear&, const torch::Tensor& p, bool) {
-      ++remaining[index_of.at(p.unsafeGetTensorImpl())];
-    });
+    each([&](const DeferredLinear&, const torch::Tensor& p, bool) { ++remaining[index_of(p)]; });
     for (int32_t u = first; u < last; ++u) {
       active[u] = 0;
       pending[u] = 0;
@@ -427,7 +429,7 @@ struct Model::Impl {
     } disarm{this};
     torch::NoGradGuard no_grad;
     each([&](const DeferredLinear& item, const torch::Tensor& p, bool is_weight) {
-      const uint32_t index = index_of.at(p.unsafeGetTensorImpl());
+      const uint32_t index = index_of(p);
       AllocationSite site("the weight-gradient pass (split backward)", params[index].spec->unit,
                           &net->units[params[index].spec->unit].name);
       torch::Tensor g = is_weight ? WeightGradient(item) : BiasGradient(item);

@@ -990,7 +990,7 @@ void Model::StageBackward(Activation* activation, int32_t micro_batch,
     }
   }
   act.input = torch::Tensor();
-  if (owned && act.AwaitsWeights()) m.last_stage_weights[micro_batch] = std::move(owned);
+  if (owned && owned->weight_grads) m.last_stage_weights[micro_batch] = std::move(owned);
 }
 
 void Model::StageBackwardWeights(Activation* activation, int32_t micro_batch) {

@@ -814,6 +814,10 @@ TEST(SplitBackward, MisuseFailsNamingWhatToDo) {
          [&] { m->StageBackwardWeights(nullptr, 0); });
   m->StageBackward(nullptr, 0, nullptr, nullptr);
   m->StageBackwardWeights(nullptr, 0);
+  // A split last stage holding no block defers nothing and still takes its (empty) weight pass.
+  m->StageForward(n - 1, n, nullptr, &targets, &grad_desc, false, true);
+  m->StageBackward(nullptr, 1, nullptr, nullptr);
+  m->StageBackwardWeights(nullptr, 1);
   // An activation released before its weight pass loses gradients: every call fails until
   // zero_grad starts the step again.
   Model::StageResult lost = m->StageForward(0, 2, &tokens, nullptr, nullptr, false, true);

@@ -97,6 +97,15 @@ std::string Sci(double v, int digits = 1) {
   return text;
 }
 
+// A bound as written: 1e-05, 1.5e-01 (Sci(v, 0) would print 1.5e-1 as 1e-01).
+std::string Bound(double v) {
+  for (int digits = 0; digits < 6; ++digits) {
+    const std::string text = Sci(v, digits);
+    if (std::strtod(text.c_str(), nullptr) == v) return text;
+  }
+  return Sci(v, 6);
+}
+
 std::string Fixed(double v) {
   char text[32];
   std::snprintf(text, sizeof text, "%.7g", v);
@@ -242,12 +251,12 @@ std::vector<float> ReadCheckpointTensor(const fs::path& checkpoint, const std::s
 }
 
 std::string Tolerance::str() const {
-  if (steps == weights) return Sci(steps, 0);
-  return Sci(steps, 0) + " per step, " + Sci(weights, 0) + " per tensor";
+  if (steps == weights) return Bound(steps);
+  return Bound(steps) + " per step, " + Bound(weights) + " per tensor";
 }
 
 std::string Mismatch::Describe() const {
-  const std::string beyond = " (relative error " + Sci(error) + " > " + Sci(tolerance, 0) + ")";
+  const std::string beyond = " (relative error " + Sci(error) + " > " + Bound(tolerance) + ")";
   switch (kind) {
     case Kind::kLoss:
       return "step " + std::to_string(step) + " loss: expected " + Fixed(expected) + ", got " +
@@ -260,7 +269,7 @@ std::string Mismatch::Describe() const {
              (expected != 0 ? "a skipped step" : "an applied step") + ", got " +
              (got != 0 ? "a skipped one" : "an applied one");
     case Kind::kWeights:
-      return tensor + ": relative L2 error " + Sci(error) + " > " + Sci(tolerance, 0) +
+      return tensor + ": relative L2 error " + Sci(error) + " > " + Bound(tolerance) +
              " (expected norm " + Fixed(expected) + ", got " + Fixed(got) + ")";
     case Kind::kEvalLoss:
       return "final eval loss: expected " + Fixed(expected) + ", got " + Fixed(got) + beyond;

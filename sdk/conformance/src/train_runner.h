@@ -88,7 +88,7 @@ struct Tolerance {
   Tolerance(double steps, double weights) : steps(steps), weights(weights) {}
   double steps;
   double weights;
-  std::string str() const;  // "1e-05", or "1e-02 per step, 1e-01 per tensor"
+  std::string str() const;  // "1e-05", or "3e-03 per step, 1.5e-01 per tensor"
 };
 
 // One compared value beyond the tolerance.

@@ -103,6 +103,7 @@ constexpr cai_dtype kBF16{CAI_DTYPE_BFLOAT, 16, 1};
 constexpr double kMega = 1024.0 * 1024.0;  // ColossalAI's "_m" unit: 2^20 elements
 
 const char* const kPlacementPolicies[] = {"static", "auto", nullptr};
+const char* const kChunkInitDevices[] = {"device", "host", nullptr};
 
 size_t Bytes(int64_t numel, cai_dtype dtype) {
   return static_cast<size_t>(numel) * cai::sdk::ElementSize(dtype);
@@ -203,6 +204,13 @@ class Gemini {
                       "one needed furthest ahead in the recorded order. Without a budget, all "
                       "on the device and every gathered chunk kept until the step.",
                       kPlacementPolicies),
+            StringKey("chunk_init_device", "\"device\"",
+                      "Where each chunk's fp32 values are assembled at boost (and broadcast "
+                      "from rank 0 with sync_module_states), one chunk at a time: device or "
+                      "host memory. The model's parameters are released chunk by chunk as they "
+                      "are copied, so with model.init_device = \"lazy\" no rank ever holds "
+                      "more than one chunk of the unsharded model.",
+                      kChunkInitDevices),
             FloatKey("steady_cuda_cap_ratio", "0.9",
                      "auto: share of the device budget the placement after the first step may "
                      "fill (ColossalAI's).",
@@ -328,6 +336,7 @@ class Gemini {
     shard_index_ = rank_ % shards_;
     replica_index_ = rank_ / shards_;
     sync_module_states_ = config.Bool("sync_module_states");
+    init_tier_ = config.String("chunk_init_device") == "host" ? CAI_MEM_HOST : CAI_MEM_DEVICE;
     verbose_ = config.Bool("verbose");
     scaler_config_ = cai::sdk::LossScalerConfig(config, kName);
   }
@@ -391,13 +400,15 @@ class Gemini {
     }
 
     // Each chunk in turn: its fp32 values assembled (from rank 0 with sync_module_states) and
-    // this rank's shard kept.
+    // this rank's shard kept. Each parameter is released once copied (a lazily initialised one
+    // is drawn by param_data), so the unsharded model is never whole on a rank.
     for (Chunk& c : chunks_) {
-      Buffer flat = Alloc(CAI_MEM_DEVICE, c.capacity, kF32, "gemini.init");
+      Buffer flat = Alloc(init_tier_, c.capacity, kF32, "gemini.init");
       for (const Member& m : c.members) {
         cai_tensor data{};
         Check(model.param_data(model_, m.param, &data));
         RunKernel(CAI_KERNEL_COPY, &data, View(flat, kF32, m.offset, &m.numel));
+        Check(model.release_param_storage(model_, m.param));
       }
       if (sync_module_states_ && world_ > 1) cai::sdk::Broadcast(View(flat, kF32, 0, &c.capacity));
       Buffer host = Alloc(CAI_MEM_HOST, c.shard, kF32, "gemini.init");
@@ -1417,6 +1428,7 @@ class Gemini {
   double max_norm_ = 0;
   bool pin_ = false;
   bool sync_module_states_ = true;
+  cai_mem_tier init_tier_ = CAI_MEM_DEVICE;
   bool verbose_ = false;
   cai_loss_scaler_config scaler_config_{};
   int32_t shards_ = 1;    // G

@@ -331,7 +331,9 @@ typedef struct cai_model_api {
    * release see the caller's memory (FSDP all-gathers straight into the parameters this way;
    * the caller releases the parameter again before that memory goes). replace_grad_storage makes
    * gradients accumulate straight into caller memory (DDP's gradient_as_bucket_view); release_grad
-   * drops the gradient. */
+   * drops the gradient. A lazily initialised model's parameter (1.3 hosts, model.init_device =
+   * "lazy") holds no memory until first read: param_data and materialize_param_storage draw its
+   * initial values then; releasing it before any read drops it undrawn. */
   cai_status* (*replace_param_storage)(cai_model* model, uint32_t index, const cai_tensor* storage);
   cai_status* (*release_param_storage)(cai_model* model, uint32_t index);
   cai_status* (*materialize_param_storage)(cai_model* model, uint32_t index, cai_tensor* out);
@@ -354,7 +356,8 @@ typedef struct cai_model_api {
   cai_status* (*activation_data)(cai_activation* activation, cai_tensor* out);
 
   /* Configuration. compute dtype fp32 / bf16 / fp16: parameters are cast to it (the strategy
-   * keeps fp32 masters where it wants them). Activation checkpointing recomputes each unit's
+   * keeps fp32 masters where it wants them); a released parameter changes dtype without data
+   * (1.3 hosts; older ones refuse it). Activation checkpointing recomputes each unit's
    * forward during backward. */
   cai_status* (*set_compute_dtype)(cai_model* model, cai_dtype dtype);
   cai_status* (*set_activation_checkpointing)(cai_model* model, bool enabled);

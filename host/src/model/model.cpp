@@ -162,6 +162,8 @@ struct Model::Impl {
     ParamSpec* spec = nullptr;
     std::vector<int64_t> shape;
     bool released = false;
+    // Lazily initialised and not yet read (released too): the first read draws its values.
+    bool pending_init = false;
     // Data or .grad point at memory a strategy handed in (replace_*_storage), not the model's.
     bool foreign_data = false, foreign_grad = false;
     std::shared_ptr<torch::autograd::Node> accumulator;  // keeps the GRAD_READY hook alive
@@ -215,6 +217,8 @@ struct Model::Impl {
       Param param;
       param.spec = &spec;
       param.shape = spec.tensor.sizes().vec();
+      param.pending_init = spec.init && torch_compat::StorageReleased(spec.tensor);
+      param.released = param.pending_init;
       params.push_back(std::move(param));
       param_index[spec.tensor.unsafeGetTensorImpl()] = static_cast<uint32_t>(i);
       if (spec.unit >= 0) {
@@ -281,8 +285,27 @@ struct Model::Impl {
     }
   }
 
-  void CheckMaterialized(size_t unit, const char* phase) const {
+  // Draws a lazily initialised parameter's initial values into new storage of its dtype.
+  void InitPending(uint32_t index) {
+    Param& p = params[index];
+    if (!p.pending_init) return;
+    const torch::Tensor& t = T(index);
+    torch_compat::MaterializeStorage(t, (t.storage_offset() + t.numel()) * t.element_size());
+    torch::NoGradGuard no_grad;
+    if (t.scalar_type() == torch::kFloat) {
+      p.spec->init(t);
+    } else {  // set_compute_dtype came first: draw in fp32, as an eager model would have
+      torch::Tensor values = torch::empty(p.shape, torch::kFloat);
+      p.spec->init(values);
+      t.copy_(values);
+    }
+    p.pending_init = false;
+    p.released = false;
+  }
+
+  void CheckMaterialized(size_t unit, const char* phase) {
     for (uint32_t i : net->units[unit].reads) {
+      InitPending(i);
       if (params[i].released) {
         Fail(CAI_FAILED_PRECONDITION,
              ParamName(i) + " is released but unit '" + net->units[unit].name + "' needs it for " +
@@ -579,8 +602,8 @@ void ApplyParamOptions(Network& net, const ParamOptions& options) {
   if (options.unused_parameter) {
     const int64_t size = net.params.empty() ? 1 : net.params.back().tensor.size(-1);
     torch::Tensor unused = torch::full({size}, 0.02, torch::kFloat).requires_grad_(true);
-    net.params.push_back(
-        ParamSpec{"unused.weight", "unused", unused, -1, CAI_ROLE_OTHER, -1, false, {}, -1, 1, 0});
+    net.params.push_back(ParamSpec{
+        "unused.weight", "unused", unused, -1, CAI_ROLE_OTHER, -1, false, {}, -1, 1, 0, {}});
   }
 }
 
@@ -611,7 +634,8 @@ cai_param_info Model::ParamInfo(uint32_t index) const {
   info.numel = t.numel();
   info.dtype = ToDtype(t.scalar_type());
   info.flags = (t.requires_grad() ? CAI_PARAM_REQUIRES_GRAD : 0) |
-               (p.spec->is_bias ? CAI_PARAM_IS_BIAS : 0) | (p.released ? CAI_PARAM_RELEASED : 0);
+               (p.spec->is_bias ? CAI_PARAM_IS_BIAS : 0) |
+               (p.released && !p.pending_init ? CAI_PARAM_RELEASED : 0);
   info.group = p.shape.size() >= 2 ? 0 : 1;
   info.tied_to = -1;
   info.unit = p.spec->unit;
@@ -653,6 +677,7 @@ const char* Model::Describe() const { return impl_->description.c_str(); }
 
 cai_tensor Model::ParamData(uint32_t index) {
   impl_->CheckParam(index, "param_data");
+  impl_->InitPending(index);
   Impl::Param& p = impl_->params[index];
   if (p.released) {
     Fail(CAI_FAILED_PRECONDITION,
@@ -703,18 +728,21 @@ void Model::ReplaceParamStorage(uint32_t index, const cai_tensor& storage) {
     // Views autograd saved in forward share the released storage: refill it, do not swap it.
     torch_compat::RefillStorage(t, view.data_ptr());
     p.released = false;
+    p.pending_init = false;  // the strategy's storage holds the values now
     p.foreign_data = true;
     return;
   }
   if (view.scalar_type() != t.scalar_type()) t.mutable_grad().reset();
   t.set_data(view.view(p.shape));
   p.released = false;
+  p.pending_init = false;  // the strategy's storage holds the values now
   p.foreign_data = true;
 }
 
 void Model::ReleaseParamStorage(uint32_t index) {
   impl_->CheckParam(index, "release_param_storage");
   Impl::Param& p = impl_->params[index];
+  p.pending_init = false;  // released before any read: nothing needs its values
   if (p.released) return;
   torch_compat::ReleaseStorage(p.spec->tensor);
   p.released = true;
@@ -723,6 +751,7 @@ void Model::ReleaseParamStorage(uint32_t index) {
 
 cai_tensor Model::MaterializeParamStorage(uint32_t index) {
   impl_->CheckParam(index, "materialize_param_storage");
+  impl_->InitPending(index);
   Impl::Param& p = impl_->params[index];
   const torch::Tensor& t = p.spec->tensor;
   if (p.released) {
@@ -1055,16 +1084,15 @@ void Model::SetComputeDtype(cai_dtype dtype) {
                                    "has no CPU fp16 kernels)");
   }
   for (uint32_t i = 0; i < m.params.size(); ++i) {
-    if (m.params[i].released) {
-      Fail(CAI_FAILED_PRECONDITION,
-           "set_compute_dtype: " + m.ParamName(i) + " is released; materialize it first");
-    }
-  }
-  for (uint32_t i = 0; i < m.params.size(); ++i) {
     torch::Tensor& t = m.T(i);
     if (t.scalar_type() == type) continue;
     t.mutable_grad().reset();
-    t.set_data(t.detach().to(type));
+    if (m.params[i].released) {
+      // No values to convert: the storage materialize grows back is of the new dtype.
+      t.set_data(torch_compat::UnallocatedTensor(m.params[i].shape, type));
+    } else {
+      t.set_data(t.detach().to(type));
+    }
   }
   m.net->SetComputeType(compute);
 }
@@ -1113,7 +1141,7 @@ TensorParallelGroup NetworkGroup(const Model::Impl& m, cai_comm_group* group,
                                  const std::string& what) {
   for (uint32_t i = 0; i < m.params.size(); ++i) {
     const Model::Impl::Param& p = m.params[i];
-    if (p.released || p.foreign_data || p.foreign_grad) {
+    if ((p.released && !p.pending_init) || p.foreign_data || p.foreign_grad) {
       Fail(CAI_FAILED_PRECONDITION, what + ": " + m.ParamName(i) +
                                         " has had its storage released or replaced; split the "
                                         "model first, before a strategy takes the parameters "
@@ -1193,6 +1221,8 @@ TensorParallelGroup NetworkGroup(const Model::Impl& m, cai_comm_group* group,
 void Model::ApplyTensorParallel(cai_comm_group* group, const TensorParallelOptions& options) {
   Impl& m = *impl_;
   TensorParallelGroup g = NetworkGroup(m, group, "apply_tensor_parallel");
+  // The split slices the unsplit values: draw the lazy ones (each rank keeps 1/tp after).
+  for (uint32_t i = 0; i < m.params.size(); ++i) m.InitPending(i);
   for (Impl::Param& p : m.params) p.spec->tensor.mutable_grad().reset();
   m.net->ApplyTensorParallel(std::move(g), options);
   for (Impl::Unit& u : m.units) u.numel = 0;
@@ -1210,6 +1240,16 @@ void Model::ApplySequenceParallel(cai_comm_group* group, int32_t mode) {
                                 "attention) are");
   }
   impl_->net->ApplySequenceParallel(NetworkGroup(*impl_, group, "apply_sequence_parallel"), mode);
+}
+
+uint64_t Model::InitPendingParams() {
+  uint64_t bytes = 0;
+  for (uint32_t i = 0; i < impl_->params.size(); ++i) {
+    if (!impl_->params[i].pending_init) continue;
+    impl_->InitPending(i);
+    bytes += impl_->T(i).storage().nbytes();
+  }
+  return bytes;
 }
 
 uint64_t Model::ChargeOwnStorage() {

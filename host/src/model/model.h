@@ -46,7 +46,9 @@
 // bytes in place, so the parameter and every view autograd saved of it stay valid and see the
 // memory MaterializeParamStorage grows back. A unit's forward (after its PRE_FORWARD hooks)
 // and backward (after its PRE_BACKWARD hooks) fail with FAILED_PRECONDITION if a parameter it
-// reads is still released.
+// reads is still released. A lazily initialised parameter (ModelConfig::lazy_init) is released
+// and pending until first read, which draws its initial values; param_info does not report it
+// released, and releasing it before any read drops it undrawn.
 //
 // Thread-safety: externally synchronised, as the ABI says. Hooks run on the thread running
 // forward/backward.
@@ -82,6 +84,12 @@ struct ModelConfig {
   // Standard deviation of the normal init of matrices and embeddings (HF's initializer_range);
   // the residual projections take init_std / sqrt(2 * n_layer).
   double init_std = 0.02;
+  // Allocate no parameter at build: each is drawn from its generator (the same values as
+  // otherwise) when something first reads it — param_data, materialize_param_storage, a
+  // forward, tensor parallelism's split — as ColossalAI's LazyInitContext. A strategy that
+  // copies the parameters into its shards one at a time and releases them never holds the
+  // whole model (model.init_device = "lazy").
+  bool lazy_init = false;
 };
 
 // cai_tensor_parallel_args' choices beyond the group.
@@ -216,6 +224,9 @@ class Model {
   // in host memory (model.init_device = "host"): what the strategy left in the model moves
   // to the device. Returns the bytes charged.
   uint64_t ChargeOwnStorage();
+  // Draws every lazily initialised parameter no one has read or released yet (after boost:
+  // what the strategy left in the model). Returns the bytes allocated.
+  uint64_t InitPendingParams();
 
  private:
   std::unique_ptr<Impl> impl_;

@@ -32,6 +32,9 @@ struct ParamSpec {
   int32_t tp_dim = -1;
   int32_t tp_blocks = 1;
   int64_t tp_padded = 0;
+  // Draws the parameter's initial values into an fp32 tensor of its (unsplit) shape. Set by
+  // the zoo; a lazily initialised model (ModelConfig::lazy_init) calls it on first read.
+  std::function<void(const torch::Tensor&)> init;
 };
 
 // The group a network's tensor- or sequence-parallel forward and backward communicate over.

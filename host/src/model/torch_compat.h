@@ -39,6 +39,15 @@ inline void RefillStorage(const torch::Tensor& tensor, void* data) {
   storage->set_nbytes(before + static_cast<size_t>(tensor.numel()) * tensor.element_size());
 }
 
+// A CPU tensor of `shape` whose storage holds no bytes yet (as released), for
+// MaterializeStorage to grow: a lazily initialised parameter allocates nothing until read.
+inline torch::Tensor UnallocatedTensor(const std::vector<int64_t>& shape,
+                                       torch::ScalarType type = torch::kFloat) {
+  torch::Tensor t = torch::empty({0}, type);
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+  return t;
+}
+
 inline bool StorageReleased(const torch::Tensor& tensor) {
   return tensor.storage().nbytes() == 0 && tensor.numel() > 0;
 }

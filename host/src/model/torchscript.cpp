@@ -135,7 +135,8 @@ class TorchScriptNetwork final : public Network {
                                  {},
                                  -1,
                                  1,
-                                 0});
+                                 0,
+                                 {}});
     }
     units.push_back(std::move(unit));
     for (const auto& named : module_.named_buffers(/*recurse=*/true)) {

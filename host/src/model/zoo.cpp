@@ -64,31 +64,44 @@ void Validate(const ModelConfig& c) {
   if (!(c.init_std >= 0.0)) BadConfig("init_std must be >= 0");
 }
 
-// Registers parameters in order; the registration index seeds each parameter's generator.
+// Registers parameters in order; the registration index seeds each parameter's generator, so
+// a parameter's values do not depend on when it is drawn (lazy_init draws it on first read).
 class Builder {
  public:
-  Builder(Network& net, uint64_t seed) : net_(net), seed_(seed) {}
+  Builder(Network& net, uint64_t seed, bool lazy) : net_(net), seed_(seed), lazy_(lazy) {}
 
   uint32_t Normal(const std::string& module, std::vector<int64_t> shape, double std, int32_t unit,
                   cai_param_role role, int32_t parallel_dim) {
-    torch::Generator gen = torch_compat::CpuGenerator(SplitMix64(seed_ ^ SplitMix64(Next())));
-    torch::Tensor t = torch::empty(shape, torch::kFloat).normal_(0.0, std, gen);
-    return Add(module, "weight", t, unit, role, parallel_dim, false);
+    const uint64_t seed = SplitMix64(seed_ ^ SplitMix64(Next()));
+    return Add(module, "weight", std::move(shape), unit, role, parallel_dim, false,
+               [seed, std](const torch::Tensor& t) {
+                 torch::Generator gen = torch_compat::CpuGenerator(seed);
+                 t.normal_(0.0, std, gen);
+               });
   }
   uint32_t Fill(const std::string& module, const char* leaf, int64_t n, double value, int32_t unit,
                 cai_param_role role, int32_t parallel_dim) {
     Next();
-    return Add(module, leaf, torch::full({n}, value, torch::kFloat), unit, role, parallel_dim,
-               std::string(leaf) == "bias");
+    return Add(module, leaf, {n}, unit, role, parallel_dim, std::string(leaf) == "bias",
+               [value](const torch::Tensor& t) { t.fill_(value); });
   }
 
  private:
   uint64_t Next() { return index_++; }
-  uint32_t Add(const std::string& module, const char* leaf, torch::Tensor t, int32_t unit,
-               cai_param_role role, int32_t parallel_dim, bool is_bias) {
+  uint32_t Add(const std::string& module, const char* leaf, std::vector<int64_t> shape,
+               int32_t unit, cai_param_role role, int32_t parallel_dim, bool is_bias,
+               std::function<void(const torch::Tensor&)> init) {
+    torch::Tensor t;
+    if (lazy_) {
+      t = torch_compat::UnallocatedTensor(shape);
+    } else {
+      t = torch::empty(shape, torch::kFloat);
+      init(t);
+    }
     ParamSpec spec;
     spec.name = module + "." + leaf;
     spec.module_path = module;
+    spec.init = std::move(init);
     spec.tensor = t.requires_grad_(true);
     spec.unit = unit;
     spec.role = role;
@@ -100,6 +113,7 @@ class Builder {
 
   Network& net_;
   uint64_t seed_;
+  bool lazy_;
   uint64_t index_ = 0;
 };
 
@@ -400,7 +414,7 @@ class Gpt2 final : public ZooNetwork {
     const int64_t e = c.n_embd;
     // GPT-2 paper, section 2.3: residual projections scaled by 1/sqrt(N), N = 2 * n_layer.
     const double std = c.init_std, residual_std = c.init_std / std::sqrt(2.0 * double(c.n_layer));
-    Builder b(*this, seed);
+    Builder b(*this, seed, c.lazy_init);
     auto bias = [&](const std::string& m, int64_t n, int32_t u, cai_param_role r, int32_t pd) {
       return c.bias ? b.Fill(m, "bias", n, 0.0, u, r, pd) : kNone;
     };
@@ -481,7 +495,7 @@ class Llama final : public ZooNetwork {
     ffn_ = c.ffn_hidden != 0 ? c.ffn_hidden : 256 * ((8 * c.n_embd / 3 + 255) / 256);
     const int64_t e = c.n_embd, d = e / c.n_head;
     const double std = c.init_std, residual_std = c.init_std / std::sqrt(2.0 * double(c.n_layer));
-    Builder b(*this, seed);
+    Builder b(*this, seed, c.lazy_init);
     auto bias = [&](const std::string& m, int64_t n, int32_t u, cai_param_role r, int32_t pd) {
       return c.bias ? b.Fill(m, "bias", n, 0.0, u, r, pd) : kNone;
     };

@@ -25,7 +25,7 @@ const char* const kOptimKinds[] = {"adamw", "adam", "sgd", nullptr};
 const char* const kSources[] = {"default", "tokens", "text", nullptr};
 const char* const kPrecisions[] = {"fp32", "bf16", "fp16", nullptr};
 const char* const kBackends[] = {"gloo", "nccl", nullptr};
-const char* const kInitDevices[] = {"device", "host", nullptr};
+const char* const kInitDevices[] = {"device", "host", "lazy", nullptr};
 
 const cai_config_key kModelKeys[] = {
     StringKey("kind", "\"gpt2\"", "Model: gpt2 or llama from the zoo, or a torchscript file.",
@@ -72,10 +72,13 @@ const cai_config_key kModelKeys[] = {
               "match these keys (`cai import DIR` prints them)."),
     StringKey("init_device", "\"device\"",
               "Where the model is built: device (its initial weights count against "
-              "memory.device_budget from the start) or host (built in host memory, as "
-              "ColossalAI's LazyInitContext or a PyTorch model built on the CPU before FSDP "
-              "moves it: only what the strategy places on the device counts, and after boost "
-              "whatever the strategy left in the model moves there).",
+              "memory.device_budget from the start), host (built in host memory, as a "
+              "PyTorch model built on the CPU before FSDP moves it: only what the strategy "
+              "places on the device counts, and after boost whatever the strategy left in the "
+              "model moves there) or lazy (as ColossalAI's LazyInitContext: no parameter is "
+              "allocated at build; each is drawn from the seed, the same values, when first "
+              "read, so a strategy that copies parameters into its shards one at a time "
+              "never holds the whole model; gpt2 and llama only).",
               kInitDevices),
     BoolKey("activation_checkpointing", "false",
             "Recompute each block's forward during backward to save activation memory."),

@@ -133,6 +133,12 @@ std::unique_ptr<Model> BuildModel(const JobConfig& job, uint64_t seed) {
                   "model.init_from reads Hugging Face weights into the zoo's gpt2 and llama; a "
                   "TorchScript model brings its own weights");
     }
+    if (GetString(m, "init_device") == "lazy") {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "model.init_device = \"lazy\" draws the zoo's gpt2 and llama weights when "
+                  "first read; a TorchScript model is loaded with its weights: use \"device\" "
+                  "or \"host\"");
+    }
     for (const char* key :
          {"memory_efficient_attention", "fused_normalization", "fused_activation"}) {
       if (GetBool(m, key)) {
@@ -153,7 +159,14 @@ std::unique_ptr<Model> BuildModel(const JobConfig& job, uint64_t seed) {
                 "model.tp_policy is for TorchScript models (model.kind = \"torchscript\"); the "
                 "zoo's gpt2 and llama split themselves under tensor parallelism: remove it");
   }
-  const ModelConfig config = ZooModelConfig(m);
+  ModelConfig config = ZooModelConfig(m);
+  config.lazy_init = GetString(m, "init_device") == "lazy";
+  if (config.lazy_init && !GetString(m, "init_from").empty()) {
+    throw Error(CAI_INVALID_ARGUMENT,
+                "model.init_device = \"lazy\" draws the initial weights from the seed, and "
+                "model.init_from loads them from '" +
+                    GetString(m, "init_from") + "': use init_device \"device\" or \"host\"");
+  }
   auto model = MakeZooModel(config, seed, options);
   // Before the strategy takes the parameters over: every strategy starts from them as from
   // the seeded init.
@@ -514,6 +527,15 @@ void Run::Setup() {
               FormatByteCount(moved) +
               " of it (buffers and the parameters the strategy kept in the model) moved to "
               "the device after boost");
+    }
+  }
+  if (GetString(*job_.model, "init_device") == "lazy") {
+    AllocationSite site("drawing the lazily initialised parameters the strategy left unread");
+    const uint64_t drawn = model_->InitPendingParams();
+    if (env_.rank == 0 && drawn > 0) {
+      Log(CAI_LOG_INFO, "",
+          "model.init_device = \"lazy\": " + FormatByteCount(drawn) +
+              " of parameters the strategy left unread were drawn after boost");
     }
   }
   if (has_layout) LearnLayout();

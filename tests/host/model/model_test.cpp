@@ -497,6 +497,72 @@ TEST(Storage, LossScaleAndWeight_ScaleGradientsNotLoss) {
     EXPECT_NEAR(gb[k], 256.0f * ga[k], 1e-3f * std::abs(gb[k]) + 1e-6f);
 }
 
+// ---- Lazy initialisation -------------------------------------------------------------------
+
+ModelConfig Lazy(ModelConfig c) {
+  c.lazy_init = true;
+  return c;
+}
+
+std::vector<uint16_t> Halves(const cai_tensor& t) {
+  const auto* p =
+      reinterpret_cast<const uint16_t*>(static_cast<const char*>(t.data) + t.byte_offset);
+  return std::vector<uint16_t>(p, p + t.shape[0] * (t.ndim > 1 ? t.shape[1] : 1));
+}
+
+// Nothing is allocated at build (drawing everything afterwards allocates all 4Ψ bytes), a
+// parameter is not reported released, and whatever order the parameters are read in, each
+// holds the eager model's values bit for bit.
+TEST(LazyInit, AllocatesNothingUntilRead_DrawsTheEagerValuesInAnyOrder) {
+  for (const ModelConfig& c : {Gpt2Config(), LlamaConfig()}) {
+    auto eager = MakeZooModel(c, 99), lazy = MakeZooModel(Lazy(c), 99);
+    for (uint32_t i = 0; i < lazy->NumParams(); ++i) {
+      EXPECT_FALSE(lazy->ParamInfo(i).flags & CAI_PARAM_RELEASED) << i;
+    }
+    const auto expected = Weights(*eager);
+    for (uint32_t i = lazy->NumParams(); i-- > 0;) {
+      EXPECT_EQ(Floats(lazy->ParamData(i)), expected[i]) << lazy->ParamInfo(i).name;
+    }
+    auto untouched = MakeZooModel(Lazy(c), 99);
+    EXPECT_EQ(untouched->InitPendingParams(), static_cast<uint64_t>(4 * TotalNumel(*untouched)));
+    EXPECT_EQ(untouched->InitPendingParams(), 0u);
+    EXPECT_EQ(Weights(*untouched), expected);
+  }
+}
+
+// A forward draws what it reads; gradients equal the eager model's.
+TEST(LazyInit, ForwardDrawsWhatItReads_GradientsEqualEager) {
+  auto eager = MakeZooModel(Gpt2Config(), 5), lazy = MakeZooModel(Lazy(Gpt2Config()), 5);
+  Batch batch;
+  EXPECT_EQ(lazy->ForwardBackward(batch.tokens.desc(), batch.targets.desc(), true),
+            eager->ForwardBackward(batch.tokens.desc(), batch.targets.desc(), true));
+  EXPECT_EQ(Grads(*lazy), Grads(*eager));
+}
+
+// A parameter released before any read is dropped undrawn (reported released, param_data
+// refuses it, and nothing draws it later); set_compute_dtype before the first read gives the
+// eager model's converted values; materialize_param_storage draws too.
+TEST(LazyInit, ReleaseDropsUndrawn_ComputeDtypeAndMaterializeDrawEagerValues) {
+  auto eager = MakeZooModel(Gpt2Config(), 3), lazy = MakeZooModel(Lazy(Gpt2Config()), 3);
+  lazy->ReleaseParamStorage(4);
+  EXPECT_TRUE(lazy->ParamInfo(4).flags & CAI_PARAM_RELEASED);
+  EXPECT_THROW(lazy->ParamData(4), Error);
+  const int64_t dropped = lazy->ParamInfo(4).numel;
+  EXPECT_EQ(lazy->InitPendingParams(), static_cast<uint64_t>(4 * (TotalNumel(*lazy) - dropped)));
+  EXPECT_TRUE(lazy->ParamInfo(4).flags & CAI_PARAM_RELEASED);
+
+  const cai_dtype bf16{CAI_DTYPE_BFLOAT, 16, 1};
+  auto lazy16 = MakeZooModel(Lazy(Gpt2Config()), 3);
+  lazy16->SetComputeDtype(bf16);
+  eager->SetComputeDtype(bf16);
+  for (uint32_t i = 0; i < eager->NumParams(); ++i) {
+    EXPECT_EQ(Halves(lazy16->ParamData(i)), Halves(eager->ParamData(i))) << i;
+  }
+  auto materialized = MakeZooModel(Lazy(Gpt2Config()), 3);
+  auto fp32 = MakeZooModel(Gpt2Config(), 3);
+  EXPECT_EQ(Floats(materialized->MaterializeParamStorage(2)), Floats(fp32->ParamData(2)));
+}
+
 // ---- Hooks ---------------------------------------------------------------------------------
 
 std::string Name(const cai_hook_event& e) {

@@ -209,6 +209,28 @@ TEST(Train, InitDeviceHost_ChargesWhatTheStrategyLeavesInTheModel) {
   CAI_EXPECT_CONTAINS(r.output, "moving to the device what the strategy left in the model");
 }
 
+// model.init_device = "lazy": no parameter exists before boost; the reference reads them all
+// in its boost (or the host draws what it left unread), and training is bit-identical to the
+// eagerly built model's. It draws from the seed, so it refuses model.init_from.
+TEST(Train, InitDeviceLazy_TrainsIdenticallyAndRefusesInitFrom) {
+  const std::string job = std::string(TINY_JOB) + " --set train.steps=2";
+  TempDir eager, lazy;
+  Result r = Train(job + " --run-dir " + eager.str());
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = Train(job + " --run-dir " + lazy.str() + " --set model.init_device=lazy");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(LossTexts(lazy / ""), LossTexts(eager / ""));
+  EXPECT_EQ(LossTexts(lazy / "").size(), 2u);
+  TempDir weights;
+  r = Train(job + " --run-dir " + weights.str() + " --set model.init_device=lazy" +
+            " --set model.init_from=" + weights.str());
+  EXPECT_NE(r.code, 0) << r.output;
+  CAI_EXPECT_CONTAINS(r.output, "model.init_from loads them from");
+  r = Train(job + " --run-dir " + weights.str() + " --set model.init_device=meta");
+  EXPECT_NE(r.code, 0) << r.output;
+  CAI_EXPECT_CONTAINS(r.output, "init_device");
+}
+
 TEST(Train, NoJobFile_TrainsTheBuiltInDefaultsWithTheOverrides) {
   // Every key at its default (`cai train --help-keys`) but a model and batch small enough for
   // one quick step; the run directory is named for the defaults.

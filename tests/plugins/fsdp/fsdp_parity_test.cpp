@@ -410,6 +410,17 @@ TEST(FsdpParity, TwoRanks_GradientAccumulationReducesOncePerStepUnderNoSync) {
   ExpectZero3Bytes(ref, run, {.g = 2, .micro_batches = 4, .reductions = 1});
 }
 
+// model.init_device = "lazy": fsdp reads each parameter into its flat shards at boost, which
+// draws it; training is bit-identical to the eagerly built model's.
+TEST(FsdpParity, TwoRanks_LazyInitTrainsAsEager) {
+  const TrainRun& ref = Reference({});
+  const TrainRun eager = Fsdp("eager", 2, "FULL_SHARD", {});
+  const TrainRun lazy = Fsdp("lazy", 2, "FULL_SHARD", {"model.init_device=lazy"});
+  ExpectParity(ref, lazy, 1e-5);
+  EXPECT_EQ(lazy.losses, eager.losses);
+  EXPECT_EQ(lazy.grad_norms, eager.grad_norms);
+}
+
 // bf16 parameters and gradients over fp32 shards: gathers and reductions move 2 bytes per
 // element (reduce_dtype = param), or the reduction 4 (reduce_dtype = fp32). Against the bf16
 // reference within the 16-bit bounds of train_run.h (AdamW; then plain SGD, tight per tensor).

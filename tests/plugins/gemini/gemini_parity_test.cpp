@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <map>
 #include <sstream>
@@ -448,6 +449,7 @@ TEST(GeminiParity, BadConfigurationsFailClearly) {
       {2, {"plugin.gemini.extra_dp_size=3"}, "extra_dp_size = 3 does not divide the world size 2"},
       {1, {"plugin.gemini.shard_param_frac=1.5"}, "shard_param_frac"},
       {1, {"plugin.gemini.placement_policy=dynamic"}, "placement_policy"},
+      {1, {"plugin.gemini.chunk_init_device=cuda"}, "chunk_init_device"},
   };
   int k = 0;
   for (const auto& [nproc, sets, what] : cases) {
@@ -465,7 +467,7 @@ TEST(GeminiParity, BadConfigurationsFailClearly) {
 namespace {
 
 // A GPT-2 whose blocks hold most of its 6.9M parameters (8 × 256, vocab 2048), built in host
-// memory (model.init_device = host, as ColossalAI's LazyInitContext), activations recomputed.
+// memory (model.init_device = host), activations recomputed.
 const std::vector<std::string> kBudgetModel = {
     "model.n_layer=8",        "model.n_head=4",          "model.n_embd=256",
     "model.n_ctx=128",        "model.vocab_size=2048",   "model.activation_checkpointing=true",
@@ -544,6 +546,40 @@ TEST(GeminiBudget, TwoRanks_QuarterOfModelStatesTrainsWhereFsdpAndZeroRunOutOfMe
     const TrainRun other = Train("other" + std::to_string(k++), 2, with, manifest);
     EXPECT_NE(other.exit_code, 0) << sets.back();
     EXPECT_NE(other.output.find("on memory tier DEVICE"), std::string::npos) << other.output;
+  }
+}
+
+// model.init_device = "lazy" (ColossalAI's LazyInitContext): no parameter exists before boost,
+// and gemini draws each into its chunk and releases it before the next, so LibTorch never
+// holds the model. Its peak (summary.json framework_peak_bytes, which counts the build) stays
+// below half of 4Ψ, where the model built in host memory puts it at 4Ψ or more; training is
+// bit-identical. The lazy run assembles its chunks in host memory (chunk_init_device).
+TEST(GeminiParity, TwoRanks_LazyInitNeverHoldsTheWholeModel) {
+  const TrainRun& ref = Reference(kBudgetModel);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const double psi = cai::testing::ModelElements(ref.checkpoint);
+  std::vector<std::string> eager = kBudgetModel;
+  for (const char* s : {"plugin.gemini.hidden_dim=256", "plugin.gemini.min_chunk_size_m=0.18",
+                        "plugin.gemini.search_range_m=0.1"}) {
+    eager.push_back(s);
+  }
+  std::vector<std::string> lazy = eager;
+  std::replace(lazy.begin(), lazy.end(), std::string("model.init_device=host"),
+               std::string("model.init_device=lazy"));
+  lazy.push_back("plugin.gemini.chunk_init_device=host");
+  const TrainRun built = Gemini("eager", 2, eager), drawn = Gemini("lazy", 2, lazy);
+  ExpectParity(ref, built);
+  ExpectParity(ref, drawn);
+  EXPECT_EQ(drawn.losses, built.losses);
+  const std::vector<double> built_peak = PerRank(built, "rank", "framework_peak_bytes");
+  const std::vector<double> drawn_peak = PerRank(drawn, "rank", "framework_peak_bytes");
+  ASSERT_EQ(built_peak.size(), 2u) << built.summary;
+  ASSERT_EQ(drawn_peak.size(), 2u) << drawn.summary;
+  for (int r = 0; r < 2; ++r) {
+    std::printf("rank %d: LibTorch's peak %.0f B built in host memory, %.0f B lazy (4Ψ = %.0f)\n",
+                r, built_peak[r], drawn_peak[r], 4 * psi);
+    EXPECT_GE(built_peak[r], 4 * psi);
+    EXPECT_LT(drawn_peak[r], 0.5 * 4 * psi);
   }
 }
 

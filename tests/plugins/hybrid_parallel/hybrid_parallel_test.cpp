@@ -390,6 +390,24 @@ TEST(HybridParallel, Tp2Pp2AndTp2Dp2_MatchReference) {
   }
 }
 
+// model.init_device = "lazy": tensor parallelism draws the unsplit values and keeps its
+// slices; a pipeline stage releases the other stages' parameters undrawn. Both train
+// bit-identically to the eagerly built model.
+TEST(HybridParallel, LazyInit_Tp2AndPp2TrainAsEager) {
+  const TrainRun ref = Reference("lazy", kTpGpt);
+  for (const char* layout : {"tp_size=2", "pp_size=2"}) {
+    SCOPED_TRACE(layout);
+    const std::string name = std::string(layout).substr(0, 2);
+    const TrainRun eager = Hybrid(name + "_eager", 2, {layout}, kTpGpt);
+    std::vector<std::string> lazy_sets = kTpGpt;
+    lazy_sets.push_back("model.init_device=lazy");
+    const TrainRun lazy = Hybrid(name + "_lazy", 2, {layout}, lazy_sets);
+    ExpectMatches(ref, lazy, kFp32Tolerance);
+    EXPECT_EQ(lazy.losses, eager.losses);
+    EXPECT_EQ(lazy.grad_norms, eager.grad_norms);
+  }
+}
+
 TEST(HybridParallel, Bf16_Tp2MatchesReferencePerTensor) {
   std::vector<std::string> bf16 = kTpGpt;
   bf16.push_back("train.precision=bf16");

@@ -211,6 +211,13 @@ class Gemini {
                       "are copied, so with model.init_device = \"lazy\" no rank ever holds "
                       "more than one chunk of the unsharded model.",
                       kChunkInitDevices),
+            FloatKey("warmup_non_model_data_ratio", "0.8",
+                     "auto, under a device budget: share of the budget the first step leaves to "
+                     "what is not model data (activations, temporaries, gathered chunks); the "
+                     "last chunks' parameter copies take the rest on the device from the start "
+                     "(ColossalAI's). 1 keeps every copy on the host until the first step has "
+                     "measured the device's peak.",
+                     0, 1, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
             FloatKey("steady_cuda_cap_ratio", "0.9",
                      "auto: share of the device budget the placement after the first step may "
                      "fill (ColossalAI's).",
@@ -279,6 +286,7 @@ class Gemini {
     cai::sdk::Config config(args.config);
     auto_ = config.String("placement_policy") == "auto";
     cap_ratio_ = config.Float("steady_cuda_cap_ratio");
+    warmup_ratio_ = config.Float("warmup_non_model_data_ratio");
     if (auto_ &&
         (config.Float("shard_param_frac") != 1.0 || config.Float("offload_optim_frac") != 0.0 ||
          config.Float("offload_param_frac") != 0.0 ||
@@ -368,8 +376,25 @@ class Gemini {
       optim_frac_ = budget_ > 0 ? 1.0 : 0.0;
       param_frac_ = optim_frac_;
       cache_cap_ = budget_ > 0 ? 0 : UINT64_MAX;
+      if (budget_ > 0) {
+        // The warm-up's device share for parameter copies, the last chunks taking it (the
+        // first ones stay on the host, as offload_param_frac places them).
+        double copies = 0;
+        for (const Chunk& c : chunks_) copies += static_cast<double>(Bytes(c.shard, compute_));
+        const double room = (1.0 - warmup_ratio_) * static_cast<double>(budget_);
+        param_frac_ = copies > 0 ? std::clamp(1.0 - room / copies, 0.0, 1.0) : 1.0;
+      }
     }
     PlaceChunks(mixed);
+    if (auto_ && budget_ > 0) {
+      int on_device = 0;
+      for (const Chunk& c : chunks_) on_device += c.compute == 0 ? 1 : 0;
+      std::ostringstream line;
+      line << "gemini: auto warm-up: " << on_device << " of " << chunks_.size()
+           << " chunks' parameters on the device (warmup_non_model_data_ratio " << warmup_ratio_
+           << " of a budget of " << budget_ << " B)";
+      cai::sdk::Log(CAI_LOG_INFO, line.str());
+    }
 
     // Banks: the fp32 shards of the chunks of each placement, end to end.
     const cai_mem_tier host_tier = pin_ ? CAI_MEM_PINNED_HOST : CAI_MEM_HOST;
@@ -1422,6 +1447,7 @@ class Gemini {
   bool nvme_masters_ = false;
   bool auto_ = false;
   double cap_ratio_ = 0.9;
+  double warmup_ratio_ = 0.8;
   uint64_t budget_ = 0;  // auto: the DEVICE tier's budget (0: none)
   int64_t stream_elements_ = 1 << 20;
   size_t max_prefetch_ = 0;

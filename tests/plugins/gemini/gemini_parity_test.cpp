@@ -511,8 +511,10 @@ TEST(GeminiBudget, TwoRanks_QuarterOfModelStatesTrainsWhereFsdpAndZeroRunOutOfMe
     EXPECT_GT(peak, 0.5 * static_cast<double>(budget));  // the budget is what binds
   }
 
-  // auto under the same budget: the first step with the parameters on the host, then as
-  // many chunks' parameters on the device as the measured peak leaves room for.
+  // auto under the same budget: the first step with the last chunks' parameters on the device
+  // while they fit in (1 - warmup_non_model_data_ratio) of it, the others on the host; then as
+  // many more on the device as the measured peak leaves room for. With the ratio at 1 the
+  // first step keeps them all on the host.
   std::vector<std::string> automatic = kBudgetModel;
   for (const char* s : {"plugin.gemini.placement_policy=auto", "plugin.gemini.hidden_dim=256",
                         "plugin.gemini.min_chunk_size_m=0.18", "plugin.gemini.search_range_m=0.1",
@@ -520,14 +522,28 @@ TEST(GeminiBudget, TwoRanks_QuarterOfModelStatesTrainsWhereFsdpAndZeroRunOutOfMe
     automatic.push_back(s);
   }
   automatic.push_back("memory.device_budget=" + std::to_string(budget));
-  const TrainRun by_auto = Gemini("auto", 2, automatic);
-  ExpectParity(ref, by_auto);
-  EXPECT_NE(by_auto.output.find("auto placement after the first step"), std::string::npos)
-      << by_auto.output;
-  for (size_t at = by_auto.summary.find(key); at != std::string::npos;
-       at = by_auto.summary.find(key, at + 1)) {
-    EXPECT_LE(cai::testing::JsonNumber(by_auto.summary, "device_total_peak_bytes", at),
-              static_cast<double>(budget));
+  std::vector<std::string> all_host = automatic;
+  all_host.push_back("plugin.gemini.warmup_non_model_data_ratio=1.0");
+  for (const auto& [name, sets] : {std::pair{std::string("auto"), automatic},
+                                   std::pair{std::string("auto_warm_host"), all_host}}) {
+    SCOPED_TRACE(name);
+    const TrainRun by_auto = Gemini(name, 2, sets);
+    ExpectParity(ref, by_auto);
+    EXPECT_NE(by_auto.output.find("auto placement after the first step"), std::string::npos)
+        << by_auto.output;
+    const size_t warm = by_auto.output.find("auto warm-up: ");
+    ASSERT_NE(warm, std::string::npos) << by_auto.output;
+    const int on_device = std::stoi(by_auto.output.substr(warm + 14));
+    if (name == "auto") {
+      EXPECT_GT(on_device, 0) << by_auto.output;
+    } else {
+      EXPECT_EQ(on_device, 0) << by_auto.output;
+    }
+    for (size_t at = by_auto.summary.find(key); at != std::string::npos;
+         at = by_auto.summary.find(key, at + 1)) {
+      EXPECT_LE(cai::testing::JsonNumber(by_auto.summary, "device_total_peak_bytes", at),
+                static_cast<double>(budget));
+    }
   }
 
   const std::vector<std::pair<std::string, std::vector<std::string>>> others = {

@@ -36,7 +36,8 @@
 // placement_policy = "auto" (ColossalAI's AutoPlacementPolicy, in the terms of this host):
 // without a device budget everything is on the device; under memory.device_budget the
 // optimizer state stays on the host (ColossalAI's default gpu_margin_mem_ratio = 0) and the
-// first step runs with the parameters' copies there too. When it ends the ranks agree on the
+// first step runs with the parameters' copies there too, except the last chunks' within
+// (1 - warmup_non_model_data_ratio) of the budget. When it ends the ranks agree on the
 // largest device peak (pool and LibTorch) any of them saw; the room below
 // steady_cuda_cap_ratio of the budget, less max_prefetch gathered chunks, takes chunks'
 // parameter copies onto the device (first chunks first), and what is left keeps gathered

@@ -305,7 +305,8 @@ class Fsdp {
     }
 
     // Each unit in turn: its flat fp32 parameter assembled (from rank 0 with
-    // sync_module_states) and this rank's shard kept.
+    // sync_module_states) and this rank's shard kept. Each parameter is released once copied
+    // (a lazily initialised one is drawn by param_data), so the model is never whole here.
     for (Unit& u : units_) {
       if (u.members.empty()) continue;  // a root without parameters
       Buffer flat = Alloc(CAI_MEM_DEVICE, u.full, kF32, "fsdp.gathered");
@@ -313,6 +314,7 @@ class Fsdp {
         cai_tensor data{};
         Check(model.param_data(model_, m.param, &data));
         RunKernel(CAI_KERNEL_COPY, &data, View(flat, kF32, m.offset, &m.numel));
+        Check(model.release_param_storage(model_, m.param));
       }
       if (sync_module_states_ && world_ > 1) cai::sdk::Broadcast(View(flat, kF32, 0, &u.full));
       Check(Host().mempool->copy(static_cast<float*>(params_.data()) + u.base,
@@ -323,8 +325,8 @@ class Fsdp {
       cai::sdk::BroadcastParams(model_, frozen_);
       cai::sdk::BroadcastBuffers(model_);
     }
-    // The model casts its (still whole) parameters to the compute dtype; ours are then views
-    // of the compute copy (NO_SHARD) or released until their unit is gathered.
+    // The model casts its (released) parameters to the compute dtype; ours are then views of
+    // the compute copy (NO_SHARD) or released until their unit is gathered.
     if (mixed) Check(model.set_compute_dtype(model_, compute_));
     std::string buffers = "buffers as the model defines them";
     if (buffer_dtype_name_ != "model") {

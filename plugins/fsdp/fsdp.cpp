@@ -305,16 +305,12 @@ class Fsdp {
     }
 
     // Each unit in turn: its flat fp32 parameter assembled (from rank 0 with
-    // sync_module_states) and this rank's shard kept. Each parameter is released once copied
-    // (a lazily initialised one is drawn by param_data), so the model is never whole here.
+    // sync_module_states) and this rank's shard kept; the model is never whole here.
     for (Unit& u : units_) {
       if (u.members.empty()) continue;  // a root without parameters
       Buffer flat = Alloc(CAI_MEM_DEVICE, u.full, kF32, "fsdp.gathered");
       for (const Member& m : u.members) {
-        cai_tensor data{};
-        Check(model.param_data(model_, m.param, &data));
-        RunKernel(CAI_KERNEL_COPY, &data, View(flat, kF32, m.offset, &m.numel));
-        Check(model.release_param_storage(model_, m.param));
+        cai::sdk::MoveParamInto(model_, m.param, View(flat, kF32, m.offset, &m.numel));
       }
       if (sync_module_states_ && world_ > 1) cai::sdk::Broadcast(View(flat, kF32, 0, &u.full));
       Check(Host().mempool->copy(static_cast<float*>(params_.data()) + u.base,

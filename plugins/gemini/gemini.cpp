@@ -426,15 +426,11 @@ class Gemini {
     }
 
     // Each chunk in turn: its fp32 values assembled (from rank 0 with sync_module_states) and
-    // this rank's shard kept. Each parameter is released once copied (a lazily initialised one
-    // is drawn by param_data), so the unsharded model is never whole on a rank.
+    // this rank's shard kept; the unsharded model is never whole on a rank.
     for (Chunk& c : chunks_) {
       Buffer flat = Alloc(init_tier_, c.capacity, kF32, "gemini.init");
       for (const Member& m : c.members) {
-        cai_tensor data{};
-        Check(model.param_data(model_, m.param, &data));
-        RunKernel(CAI_KERNEL_COPY, &data, View(flat, kF32, m.offset, &m.numel));
-        Check(model.release_param_storage(model_, m.param));
+        cai::sdk::MoveParamInto(model_, m.param, View(flat, kF32, m.offset, &m.numel));
       }
       if (sync_module_states_ && world_ > 1) cai::sdk::Broadcast(View(flat, kF32, 0, &c.capacity));
       Buffer host = Alloc(CAI_MEM_HOST, c.shard, kF32, "gemini.init");

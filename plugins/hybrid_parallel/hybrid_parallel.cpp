@@ -158,7 +158,6 @@ int32_t ZbvStage(int32_t pp, int32_t rank, int32_t chunk) {
 // simulated step's length, against 6·m ticks of work per rank.
 std::vector<Op> ZeroBubbleVSchedule(int32_t pp, int32_t rank, int32_t m, int64_t* ticks) {
   const int32_t stages = 2 * pp, limit = 2 * pp;
-  auto stage = [&](int32_t r, int32_t c) { return ZbvStage(pp, r, c); };
   constexpr int64_t kNotYet = -1;
   // Tick at which F / B of (micro-batch, virtual stage) ran.
   std::vector<int64_t> f_done(size_t(m) * stages, kNotYet), b_done(f_done);
@@ -182,14 +181,14 @@ std::vector<Op> ZeroBubbleVSchedule(int32_t pp, int32_t rank, int32_t m, int64_t
       RankState& st = ranks[r];
       std::optional<Op> op;
       for (int32_t c = 0; c < 2; ++c) {  // B: the earliest micro-batch, then chunk 0
-        const int32_t mb = st.next_b[c], v = stage(r, c);
+        const int32_t mb = st.next_b[c], v = ZbvStage(pp, r, c);
         if (mb < m && ran_before(f_done, mb, v) &&
             (v == stages - 1 || ran_before(b_done, mb, v + 1)) && (!op || mb < op->mb)) {
           op = Op{false, mb, c};
         }
       }
       for (int32_t c = 1; !op && st.held < limit && c >= 0; --c) {  // F: chunk 1 first
-        const int32_t mb = st.next_f[c], v = stage(r, c);
+        const int32_t mb = st.next_f[c], v = ZbvStage(pp, r, c);
         if (mb < m && (v == 0 || ran_before(f_done, mb, v - 1))) op = Op{true, mb, c};
       }
       if (!op && !st.w.empty()) op = Op{false, st.w.front().first, st.w.front().second, true};
@@ -202,7 +201,7 @@ std::vector<Op> ZeroBubbleVSchedule(int32_t pp, int32_t rank, int32_t m, int64_t
     }
     for (const auto& [r, op] : started) {
       RankState& st = ranks[r];
-      const int32_t v = stage(r, op.chunk);
+      const int32_t v = ZbvStage(pp, r, op.chunk);
       if (op.weights) {
         st.w.pop_front();
         --st.held;

@@ -529,9 +529,9 @@ void Run::Setup() {
               "the device after boost");
     }
   }
-  if (GetString(*job_.model, "init_device") == "lazy") {
+  {
     AllocationSite site("drawing the lazily initialised parameters the strategy left unread");
-    const uint64_t drawn = model_->InitPendingParams();
+    const uint64_t drawn = model_->InitPendingParams();  // none unless model.init_device = lazy
     if (env_.rank == 0 && drawn > 0) {
       Log(CAI_LOG_INFO, "",
           "model.init_device = \"lazy\": " + FormatByteCount(drawn) +

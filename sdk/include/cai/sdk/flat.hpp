@@ -119,6 +119,17 @@ inline void CopyParamsInto(cai_model* model, const FlatLayout& layout, const Buf
   }
 }
 
+// Copies parameter `param`'s values into `out` and releases the model's storage of it: a
+// strategy taking the model into its own shards this way, one parameter at a time, never holds
+// it whole (under model.init_device = "lazy" the read draws the parameter, so no rank ever
+// does).
+inline void MoveParamInto(cai_model* model, uint32_t param, const cai_tensor& out) {
+  cai_tensor data{};
+  Check(Host().model->param_data(model, param, &data));
+  RunKernel(CAI_KERNEL_COPY, &data, out);
+  Check(Host().model->release_param_storage(model, param));
+}
+
 // The model's parameters become views of `buffer` (which must hold the model's dtype for
 // them); the strategy keeps `buffer` alive and its size unchanged while the model uses them.
 inline void PointParamsAt(cai_model* model, const FlatLayout& layout, const Buffer& buffer,

@@ -39,6 +39,18 @@ constexpr size_t kDirectBlock = 4096;
 constexpr size_t kStagingBytes = size_t{4} << 20;
 // Requests above this are refused before any rounding arithmetic could overflow.
 constexpr size_t kMaxRequest = size_t{1} << 56;
+// Host blocks from this size are mapped from the kernel rather than taken from glibc's heap:
+// a block freed past the pool's cache then goes back to the kernel at once. From the heap it
+// stayed resident as free space between live allocations, and with the trainer's raised trim
+// threshold a rank's RSS grew by gigabytes that no accounting saw (bench/README.md).
+constexpr size_t kMappedMin = size_t{1} << 20;
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+bool Mapped(size_t capacity, size_t alignment) {
+  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return capacity >= kMappedMin && alignment <= page;
+}
 
 size_t RoundUp(size_t n, size_t step) { return (n + step - 1) / step * step; }
 
@@ -365,13 +377,28 @@ namespace {
 std::atomic<MemoryPool::HostReclaimer> g_host_reclaimer{nullptr};
 }  // namespace
 
+void* MapHostPages(size_t bytes) {
+  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (data == MAP_FAILED) return nullptr;
+  // Advice only: a kernel without transparent huge pages maps 4 KiB pages as before.
+  if (bytes >= kHugePage) madvise(data, bytes, MADV_HUGEPAGE);
+  return data;
+}
+
+void UnmapHostPages(void* data, size_t bytes) { munmap(data, bytes); }
+
 void MemoryPool::SetHostReclaimer(HostReclaimer reclaimer) { g_host_reclaimer = reclaimer; }
 
 void* MemoryPool::MapBlock(cai_mem_tier tier, size_t capacity, size_t alignment) {
   if (tier != CAI_MEM_NVME) {
     if (HostReclaimer reclaim = g_host_reclaimer.load()) reclaim(capacity);
     void* data = nullptr;
-    if (posix_memalign(&data, alignment, capacity) != 0) {
+    if (Mapped(capacity, alignment)) {
+      data = MapHostPages(capacity);
+    } else if (posix_memalign(&data, alignment, capacity) != 0) {
+      data = nullptr;
+    }
+    if (data == nullptr) {
       throw Error(CAI_RESOURCE_EXHAUSTED, "the system is out of host memory: cannot allocate " +
                                               FormatByteCount(capacity) + " for memory tier " +
                                               TierName(tier));
@@ -417,8 +444,8 @@ int MemoryPool::CreateNvmeFile(size_t capacity) const {
 void MemoryPool::UnmapBlock(const cai_buffer& block) {
   if (block.fd >= 0) {
     close(block.fd);
-  } else if (block.tier == CAI_MEM_NVME) {
-    munmap(block.data, block.capacity);
+  } else if (block.tier == CAI_MEM_NVME || Mapped(block.capacity, block.alignment)) {
+    UnmapHostPages(block.data, block.capacity);
   } else {
     std::free(block.data);
   }

@@ -56,6 +56,13 @@ struct cai_buffer {
 
 namespace cai {
 
+// Anonymous memory straight from the kernel, for host blocks of a MiB or more that must go back to
+// it when freed (glibc's heap keeps freed space resident): huge pages where the kernel allows
+// them, so that a fresh block costs one fault per 2 MiB rather than per 4 KiB. nullptr when the
+// kernel has no memory left; UnmapHostPages gives it back.
+void* MapHostPages(size_t bytes);
+void UnmapHostPages(void* data, size_t bytes);
+
 struct TierUsage {
   uint64_t current_bytes = 0;
   uint64_t peak_bytes = 0;

@@ -9,8 +9,10 @@
 //
 // Freed blocks of 1 MiB or more are cached for reuse (rounded up to one of eight size classes
 // per power of two), as PyTorch caches device memory, so a step does not page-fault in again
-// the activation buffers the last step freed. The cache never makes the live and cached bytes
-// together exceed the most that was ever live, and is emptied before an allocation fails.
+// the activation buffers the last step freed; a request may take a cached block of up to twice
+// its class. The cache never makes the live and cached bytes together exceed the most that was
+// ever live by more than an eighth, and is emptied before an allocation fails. These blocks come
+// from the kernel, not from glibc's heap, so a block the cache does not keep goes back to it.
 //
 // Charged to a memory pool (ChargeFrameworkTo), these bytes count against its DEVICE tier's
 // budget with the pool's own buffers, and an allocation beyond the budget fails like a device
@@ -29,7 +31,8 @@ struct FrameworkMemory {
   uint64_t current_bytes = 0;  // live bytes allocated through the counting allocator
   uint64_t peak_bytes = 0;     // the most live at once since install or ResetFrameworkPeak
   uint64_t cached_bytes = 0;   // freed, kept for reuse (not in current_bytes)
-  uint64_t max_bytes = 0;      // the most live at once since install (the cache's limit)
+  uint64_t max_bytes = 0;      // the most live at once since install (the cache's limit
+                               // is an eighth above it)
 };
 
 // Puts the counting allocator in front of LibTorch's CPU allocator, once per process (later

@@ -148,8 +148,8 @@ const cai_config_key kTrainKeys[] = {
     BoolKey("cpu_caching_allocator", "true",
             "Keep LibTorch's freed CPU blocks of 1 MiB or more for reuse by later steps, as "
             "PyTorch caches device memory, instead of returning them to the kernel and "
-            "page-faulting them in again every step; the cache never holds more than the most "
-            "LibTorch had live at once."),
+            "page-faulting them in again every step; live and cached blocks together never "
+            "exceed the most LibTorch had live at once by more than an eighth."),
     FloatKey("peak_flops", "0",
              "Peak FLOP/s of one rank's device (e.g. 989e12 for an H100's dense bf16), for the "
              "MFU of the step line and metrics.jsonl: model FLOPs per token (6 x parameters + 12 "

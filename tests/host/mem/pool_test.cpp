@@ -4,6 +4,7 @@
 
 #include <dirent.h>
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -17,9 +18,12 @@
 #include <vector>
 
 #include "core/status.h"
+#include "util/resident.h"
 
 namespace cai {
 namespace {
+
+using cai::testing::ResidentBytes;
 
 constexpr cai_mem_tier kAllTiers[] = {CAI_MEM_DEVICE, CAI_MEM_PINNED_HOST, CAI_MEM_HOST,
                                       CAI_MEM_NVME};
@@ -243,15 +247,6 @@ TEST(MemPool, NvmeTier_RoundTripsDataThroughUnlinkedFile) {
   EXPECT_TRUE(dir.Entries().empty());
 }
 
-// The process's resident memory (VmRSS), in bytes.
-uint64_t ResidentBytes() {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
-  }
-  return 0;
-}
-
 // Unaligned ranges of every shape land where they were written: heads and tails of blocks,
 // ranges beyond the staging buffer, and aligned ones straight from the caller's memory.
 TEST(MemPool, UnmappedNvme_KeepsEveryRangeWrittenAndNothingElse) {
@@ -340,6 +335,30 @@ TEST(MemPool, UnmappedNvme_LeavesTheProcessResidentMemoryWhereMappedDoesNot) {
   pool.Free(mapped);
   pool.ReleaseCached(CAI_MEM_NVME);
   std::free(chunk);
+}
+
+// A host block freed past the pool's cache goes back to the kernel, whatever glibc keeps: with
+// its mmap and trim thresholds raised (as a process may set them to keep its heap warm), a
+// block taken from the heap and freed between live allocations stayed resident.
+TEST(MemPool, HostBlockFreedPastTheCache_LeavesTheProcessResidentMemory) {
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 512 << 20);
+  MemoryPool pool;
+  constexpr size_t kBytes = size_t{64} << 20;
+  void* below = std::malloc(4096);
+  const uint64_t before = ResidentBytes();
+  cai_buffer* block = pool.Allocate(CAI_MEM_HOST, kBytes, 0, "block");
+  void* above = std::malloc(4096);  // would pin the block's heap space below the heap's top
+  std::memset(block->data, 0x42, kBytes);
+  const uint64_t touched = ResidentBytes();
+  EXPECT_GE(touched, before + kBytes - (size_t{4} << 20));
+  pool.Free(block);
+  pool.ReleaseCached(CAI_MEM_HOST);
+  const uint64_t after = ResidentBytes();
+  EXPECT_LT(after, touched - kBytes + (size_t{8} << 20))
+      << "resident: " << before << " before, " << touched << " touched, " << after << " freed";
+  std::free(above);
+  std::free(below);
 }
 
 // Copies submitted to the pool run on its one copy thread, in order, and report their errors.

@@ -4,6 +4,7 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -13,9 +14,12 @@
 #include "core/status.h"
 #include "mem/pool.h"
 #include "model/model.h"
+#include "util/resident.h"
 
 namespace cai {
 namespace {
+
+using cai::testing::ResidentBytes;
 
 TEST(FrameworkAllocator, TensorOfNBytes_IsCountedWhileItLivesAndPeakStays) {
   InstallFrameworkAllocator();
@@ -73,24 +77,24 @@ TEST(FrameworkAllocator, FreedLargeBlock_IsReusedBySameSizeClassWithinTheMostEve
   { torch::Tensor small = torch::empty({1000}, torch::kFloat); }
   EXPECT_EQ(FrameworkMemoryUsage().cached_bytes, freed.cached_bytes);
 
-  // Live and cached together never exceed the most ever live: a freed block is kept only if
-  // that holds, else given back.
+  // Live and cached together never exceed the most ever live by more than an eighth: a freed
+  // block is kept only if that holds, else given back.
   constexpr uint64_t kBig = 48 * (uint64_t{1} << 20);
   const FrameworkMemory before = FrameworkMemoryUsage();
   { torch::Tensor a = torch::empty({kElements * 4}, torch::kFloat); }  // 48 MiB
   const FrameworkMemory after = FrameworkMemoryUsage();
   const uint64_t most = std::max(before.max_bytes, before.current_bytes + kBig);
   EXPECT_EQ(after.max_bytes, most);
-  const bool fits = before.current_bytes + before.cached_bytes + kBig <= most;
+  const bool fits = before.current_bytes + before.cached_bytes + kBig <= most + most / 8;
   EXPECT_EQ(after.cached_bytes, before.cached_bytes + (fits ? kBig : 0));
-  EXPECT_LE(after.current_bytes + after.cached_bytes, after.max_bytes);
+  EXPECT_LE(after.current_bytes + after.cached_bytes, after.max_bytes + after.max_bytes / 8);
   if (fits) {
-    // Once more with the 48 MiB cached: a second one would exceed the most ever live.
+    // Once more with the 48 MiB cached: a second one raises the most ever live.
     torch::Tensor a = torch::empty({kElements * 4}, torch::kFloat);
     torch::Tensor b = torch::empty({kElements * 4}, torch::kFloat);
   }
-  EXPECT_LE(FrameworkMemoryUsage().current_bytes + FrameworkMemoryUsage().cached_bytes,
-            FrameworkMemoryUsage().max_bytes);
+  const FrameworkMemory two = FrameworkMemoryUsage();
+  EXPECT_LE(two.current_bytes + two.cached_bytes, two.max_bytes + two.max_bytes / 8);
 
   // Trimming gives back the largest blocks first, at least what was asked for.
   {
@@ -108,6 +112,56 @@ TEST(FrameworkAllocator, FreedLargeBlock_IsReusedBySameSizeClassWithinTheMostEve
   { torch::Tensor t = torch::ones({kElements}, torch::kFloat); }
   EXPECT_EQ(FrameworkMemoryUsage().cached_bytes, 0u);
   SetFrameworkCaching(true);
+}
+
+// A request with no cached block of its class takes one of a larger class up to twice it,
+// already paged in, rather than faulting in a new one; a smaller request does not.
+TEST(FrameworkAllocator, RequestWithoutItsClassCached_TakesALargerCachedBlockUpToTwiceIt) {
+  InstallFrameworkAllocator();
+  SetFrameworkCaching(true);
+  EmptyFrameworkCache();
+  constexpr int64_t kMiBFloats = (1 << 20) / sizeof(float);
+  void* eight = nullptr;
+  {
+    torch::Tensor t = torch::ones({8 * kMiBFloats}, torch::kFloat);
+    eight = t.data_ptr();
+  }
+  ASSERT_GE(FrameworkMemoryUsage().cached_bytes, uint64_t{8} << 20);
+  {
+    torch::Tensor five = torch::empty({5 * kMiBFloats}, torch::kFloat);
+    EXPECT_EQ(five.data_ptr(), eight);
+    five.fill_(1.0f);
+    EXPECT_EQ(five.sum().item<double>(), 5.0 * kMiBFloats);
+  }
+  {
+    torch::Tensor three = torch::empty({3 * kMiBFloats}, torch::kFloat);
+    EXPECT_NE(three.data_ptr(), eight);
+  }
+  EmptyFrameworkCache();
+}
+
+// A large block the cache gives back goes back to the kernel, whatever glibc keeps: with its
+// mmap and trim thresholds raised (as a process may set them), a tensor's block taken from the
+// heap stayed resident after the cache let it go.
+TEST(FrameworkAllocator, LargeBlockTheCacheGivesBack_LeavesTheProcessResidentMemory) {
+  InstallFrameworkAllocator();
+  SetFrameworkCaching(true);
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 512 << 20);
+  constexpr int64_t kElements = 16 << 20;  // 64 MiB
+  constexpr uint64_t kBytes = kElements * sizeof(float);
+  EmptyFrameworkCache();
+  const uint64_t before = ResidentBytes();
+  uint64_t touched = 0;
+  {
+    torch::Tensor t = torch::ones({kElements}, torch::kFloat);
+    touched = ResidentBytes();
+  }
+  EXPECT_GE(touched, before + kBytes - (uint64_t{4} << 20));
+  EmptyFrameworkCache();
+  const uint64_t after = ResidentBytes();
+  EXPECT_LT(after, touched - kBytes + (uint64_t{8} << 20))
+      << "resident: " << before << " before, " << touched << " touched, " << after << " freed";
 }
 
 constexpr uint64_t kMiB = uint64_t{1} << 20;

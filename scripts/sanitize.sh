@@ -37,8 +37,8 @@
 #   (hybrid_parallel's, Ulysses', ring attention's, the layouts'): the parsing and messages they check are
 #   strings built once, and the same runs pass unsanitised;
 # - local_sgd synchronising every step (its every-two-steps test runs the same code) and a
-#   checkpoint of another strategy resumed under ddp (each strategy's own resume tests read
-#   the same layout).
+#   checkpoint of another strategy resumed under ddp, or a pp 2 checkpoint under dp 3 and fsdp
+#   (each strategy's own resume tests read the same layout).
 skip=(
   'Train\.DefaultJob_LearnsBelowStatedLoss' 'Shards/KillInSave\..*' 'Style_.*'
   'Sdk_ExamplePlugin_BuildsOutOfTree.*'
@@ -50,7 +50,7 @@ skip=(
   'LowLevelZero\.(Stage2_SmallBuckets|Stage1_OneTwoThreeRanks|CommunicationPerStep|Memory_|Bf16_).*'
   'FsdpParity\.(SaveFullOnTwoRanksResumeOnThree|SaveShardedOnThreeRanksResumeOnTwo|TwoAndThreeRanks_BufferDtype|ThreeRanks_Bf16).*'
   'DdpParity\.(Ddp_TwoRanks_AllReduceBytesEqualGradientBytes|CheckpointOfAnotherStrategy|Bf16NoiseFloor).*'
-  'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama|Tp_PaddedVocabulary|Bf16_Tp2|Tp2_Communication|Checkpoint_Tp2Pp2|Tp2Pp2AndTp2Dp2|Tp2_LlamaGqa|ActivationMemoryPerBlock|SequenceParallel_(Communication|OddSequence|Tp2AndTp3)|AllOptimizations|SequenceParallelRing_Communication|Ulysses_(LlamaGqa|Sp2With|Checkpoints|Communication|BadConfigurations)|RingAttn_(LlamaGqa|Sp2With|Checkpoint|Communication|BadConfigurations)|BadConfigurations|DataParallelPath|TorchScriptPolicy_Missing|LazyInit_).*'
+  'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama|Tp_PaddedVocabulary|Bf16_Tp2|Tp2_Communication|Checkpoint_Tp2Pp2|Tp2Pp2AndTp2Dp2|Tp2_LlamaGqa|ActivationMemoryPerBlock|SequenceParallel_(Communication|OddSequence|Tp2AndTp3)|AllOptimizations|SequenceParallelRing_Communication|Ulysses_(LlamaGqa|Sp2With|Checkpoints|Communication|BadConfigurations)|RingAttn_(LlamaGqa|Sp2With|Checkpoint|Communication|BadConfigurations)|BadConfigurations|DataParallelPath|TorchScriptPolicy_Missing|LazyInit_|Checkpoint_SavedByPp2ResumesUnderDp3AndFsdp).*'
   'LocalSgd\.SyncEveryStep_IsDdpExactly' 'ParallelLayout\.BadLayouts.*'
   'GeminiParity\.(TwoRanks_ChunkSearch|FourRanks_ExtraDataParallel|Bf16AndFp16|TwoAndThreeRanks_HostPlacement|TwoRanks_LazyInit).*' 'GeminiBudget\..*'
 )

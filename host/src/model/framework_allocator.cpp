@@ -145,12 +145,12 @@ void Delete(void* data) {
   Release(base);
 }
 
-// A cached block of the class, or else of the smallest larger class up to twice it (its pages
-// are resident already, where a new block would fault in every page), or nullptr.
-char* Reuse(size_t bytes) {
+// A cached block of the smallest class from `bytes` to `largest` (a larger one's pages are
+// resident already, where a new block would fault in every page), or nullptr.
+char* Reuse(size_t bytes, size_t largest) {
   Cache& cache = TheCache();
   std::lock_guard lock(cache.mutex);
-  for (auto it = cache.free.lower_bound(bytes); it != cache.free.end() && it->first <= 2 * bytes;
+  for (auto it = cache.free.lower_bound(bytes); it != cache.free.end() && it->first <= largest;
        ++it) {
     if (it->second.empty()) continue;
     char* base = it->second.back();
@@ -161,15 +161,6 @@ char* Reuse(size_t bytes) {
   return nullptr;
 }
 
-// Puts back a block Reuse took and could not hand out.
-void Recache(char* base) {
-  Cache& cache = TheCache();
-  std::lock_guard lock(cache.mutex);
-  const size_t bytes = reinterpret_cast<const Header*>(base)->bytes;
-  cache.free[bytes].push_back(base);
-  cache.cached_bytes += bytes;
-}
-
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
@@ -177,15 +168,21 @@ class CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t bytes) const override {
     if (bytes == 0) return inner_->allocate(0);  // nothing to count; no memory behind it
     size_t counted = SizeClass(bytes);
-    char* base = counted >= kCacheMin ? Reuse(counted) : nullptr;
-    // A reused block counts at its own class (what its free will subtract).
-    if (base != nullptr) counted = reinterpret_cast<const Header*>(base)->bytes;
-    // Charged before any new memory is taken, so a request over the budget takes none.
     MemoryPool* pool = g_charged_pool.load(std::memory_order_acquire);
+    char* base = nullptr;
+    // Without a DEVICE budget a request may take a cached block of a larger class, which then
+    // counts at its own class (what its free subtracts). Under one it takes only its own class,
+    // so that the budget holds what it held before the cache.
+    const bool budgeted = pool != nullptr && pool->Usage(CAI_MEM_DEVICE).budget_bytes != 0;
+    if (!budgeted && counted >= kCacheMin && (base = Reuse(counted, 2 * counted)) != nullptr) {
+      counted = reinterpret_cast<const Header*>(base)->bytes;
+    }
+    // Charged before any memory is taken, so a request over the budget takes none.
     if (pool != nullptr && !pool->TryChargeFramework(counted)) {
-      if (base != nullptr) Recache(base);
+      if (base != nullptr) Release(base);  // a budget set since the check above
       ThrowOverBudget(*pool, counted);
     }
+    if (base == nullptr && counted >= kCacheMin) base = Reuse(counted, counted);
     try {
       if (base == nullptr) base = Fresh(counted);
     } catch (...) {

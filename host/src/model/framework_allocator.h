@@ -9,10 +9,11 @@
 //
 // Freed blocks of 1 MiB or more are cached for reuse (rounded up to one of eight size classes
 // per power of two), as PyTorch caches device memory, so a step does not page-fault in again
-// the activation buffers the last step freed; a request may take a cached block of up to twice
-// its class. The cache never makes the live and cached bytes together exceed the most that was
-// ever live by more than an eighth, and is emptied before an allocation fails. These blocks come
-// from the kernel, not from glibc's heap, so a block the cache does not keep goes back to it.
+// the activation buffers the last step freed; without a DEVICE budget a request may take a
+// cached block of up to twice its class. The cache never makes the live and cached bytes together
+// exceed the most that was ever live by more than an eighth, and is emptied before an allocation
+// fails. These blocks come from the kernel, not from glibc's heap, so a block the cache does not
+// keep goes back to it.
 //
 // Charged to a memory pool (ChargeFrameworkTo), these bytes count against its DEVICE tier's
 // budget with the pool's own buffers, and an allocation beyond the budget fails like a device

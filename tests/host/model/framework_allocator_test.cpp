@@ -168,6 +168,33 @@ constexpr uint64_t kMiB = uint64_t{1} << 20;
 
 // Charged to a pool, LibTorch's live bytes count against its DEVICE budget with the pool's own
 // buffers, each side failing when the other holds the room, and usage tells the two apart.
+// Under a DEVICE budget a request takes only a cached block of its own class: a larger one
+// would charge more than the request and could run out a budget the request fits (gemini's
+// quarter-of-the-model budget did, with a 2 MiB block serving a smaller request).
+TEST(FrameworkBudget, UnderABudget_ARequestTakesOnlyItsOwnClassFromTheCache) {
+  InstallFrameworkAllocator();
+  SetFrameworkCaching(true);
+  EmptyFrameworkCache();
+  MemoryPool pool;
+  ChargeFrameworkTo(&pool);
+  constexpr int64_t kMiBFloats = kMiB / sizeof(float);
+  void* eight = nullptr;
+  {
+    torch::Tensor t = torch::ones({8 * kMiBFloats}, torch::kFloat);
+    eight = t.data_ptr();
+  }
+  ASSERT_GE(FrameworkMemoryUsage().cached_bytes, 8 * kMiB);
+  const uint64_t before = pool.Usage(CAI_MEM_DEVICE).framework_bytes;
+  pool.SetBudget(CAI_MEM_DEVICE, before + 64 * kMiB);
+  {
+    torch::Tensor five = torch::empty({5 * kMiBFloats}, torch::kFloat);
+    EXPECT_NE(five.data_ptr(), eight);
+    EXPECT_EQ(pool.Usage(CAI_MEM_DEVICE).framework_bytes - before, 5 * kMiB);  // its own class
+  }
+  ChargeFrameworkTo(nullptr);
+  EmptyFrameworkCache();
+}
+
 TEST(FrameworkBudget, PoolBuffersAndLibTorchShareTheDeviceBudget) {
   InstallFrameworkAllocator();
   MemoryPool pool;

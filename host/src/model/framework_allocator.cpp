@@ -173,8 +173,10 @@ class CountingAllocator final : public c10::Allocator {
     // Without a DEVICE budget a request may take a cached block of a larger class, which then
     // counts at its own class (what its free subtracts). Under one it takes only its own class,
     // so that the budget holds what it held before the cache.
-    const bool budgeted = pool != nullptr && pool->Usage(CAI_MEM_DEVICE).budget_bytes != 0;
-    if (!budgeted && counted >= kCacheMin && (base = Reuse(counted, 2 * counted)) != nullptr) {
+    // The budget is read (under the pool's lock) only for a block the cache may serve.
+    if (counted >= kCacheMin &&
+        (pool == nullptr || pool->Usage(CAI_MEM_DEVICE).budget_bytes == 0) &&
+        (base = Reuse(counted, 2 * counted)) != nullptr) {
       counted = reinterpret_cast<const Header*>(base)->bytes;
     }
     // Charged before any memory is taken, so a request over the budget takes none.

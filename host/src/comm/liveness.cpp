@@ -115,8 +115,8 @@ void Liveness::Leave() {
 
 bool Liveness::CheckVerdict() {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, options_.interval, [&] { return declared_.load() || stop_; });
-  return declared_;
+  cv_.wait_for(lock, options_.interval, [&] { return reported_ || stop_; });
+  return reported_;
 }
 
 void Liveness::Report(const std::string& report) { Declare(report, true); }
@@ -130,7 +130,6 @@ void Liveness::SendTo(int rank, const std::string& message) {
 
 void Liveness::Declare(const std::string& report, bool broadcast) {
   if (declared_.exchange(true)) return;
-  cv_.notify_all();
   if (broadcast) {
     for (int r = 0; r < options_.world_size; ++r) {
       if (r != options_.rank) SendTo(r, "V " + report);
@@ -138,6 +137,13 @@ void Liveness::Declare(const std::string& report, bool broadcast) {
   }
   on_failure_(report + "; rank " + std::to_string(options_.rank) + " (this rank) is in " +
               activity_());
+  // Only now: a CheckVerdict woken before on_failure_ had aborted the communicator would find
+  // no abort report and name the peer that hung up instead of the lost rank.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reported_ = true;
+  }
+  cv_.notify_all();
 }
 
 void Liveness::Loop() {

@@ -110,7 +110,8 @@ class Liveness {
   std::atomic<bool> declared_{false};
   std::mutex mu_;
   std::condition_variable cv_;
-  bool stop_ = false;  // guarded by mu_
+  bool stop_ = false;      // guarded by mu_
+  bool reported_ = false;  // on_failure_ has returned; guarded by mu_
   std::thread thread_;
 };
 

@@ -1,7 +1,10 @@
 // Failure detection without the collective timeout (heartbeats), the call check, and binding
 // to a named interface.
+#include <atomic>
 #include <cstdlib>
 
+#include "comm/liveness.h"
+#include "comm/store.h"
 #include "comm_test_util.h"
 
 namespace cai::test {
@@ -199,6 +202,35 @@ TEST(CommLiveness, Comm_ThreeRanks_KilledRankSeenThroughAnotherRank_NamesTheFirs
   }
   for (int rank = 0; rank < 2; ++rank) ExpectExitsCleanly(pids[rank], rank, seconds(40));
   waitpid(pids[2], nullptr, 0);
+}
+
+// The cascade above relies on this order: a rank that learns of a verdict while its own
+// collective is failing must find the communicator already aborted with the report, or it names
+// the peer that hung up on it. CI once caught the verdict's waiter woken between the two.
+TEST(CommLiveness, Liveness_VerdictFromAPeer_CheckVerdictReturnsOnlyOnceTheFailureWasActedOn) {
+  comm::Store store("127.0.0.1", FreePort(), /*is_server=*/true, seconds(10));
+  comm::LivenessOptions options;
+  options.world_size = 2;
+  options.interval = milliseconds(2000);
+  options.limit = seconds(30);
+  options.bind_address = "127.0.0.1";
+  std::atomic<bool> acted{false};
+  options.rank = 0;
+  comm::Liveness watcher(
+      store, options, [] { return std::string("all_reduce #1"); },
+      [&](const std::string&) {
+        // Slow, as an abort that shuts down every group's connections can be.
+        std::this_thread::sleep_for(milliseconds(300));
+        acted = true;
+      });
+  options.rank = 1;
+  comm::Liveness reporter(
+      store, options, [] { return std::string("all_reduce #1"); }, [](const std::string&) {});
+  watcher.Start(store);
+  reporter.Start(store);
+  reporter.Report("rank 2 closed its connection");
+  EXPECT_TRUE(watcher.CheckVerdict());
+  EXPECT_TRUE(acted) << "CheckVerdict returned before the failure handler finished";
 }
 
 TEST(CommLiveness, Comm_TwoRanks_LongCollectiveOnHealthyGroup_DoesNotTripHeartbeat) {

@@ -34,8 +34,9 @@
 #   attention's likewise (its sp 2 and 3 test runs the same ring steps and zigzag split);
 #   hybrid_parallel's plain data-parallel path (ddp's and low_level_zero's own tests run it);
 # - the tables of bad configurations whose cases each start ranks only to refuse a key
-#   (hybrid_parallel's, Ulysses', ring attention's, the layouts'): the parsing and messages they check are
-#   strings built once, and the same runs pass unsanitised;
+#   (hybrid_parallel's, Ulysses', ring attention's, the layouts', gemini's, and tensor
+#   parallelism's unsplittable models): the parsing and messages they check are strings built
+#   once, and the same runs pass unsanitised;
 # - local_sgd synchronising every step (its every-two-steps test runs the same code) and a
 #   checkpoint of another strategy resumed under ddp, or a pp 2 checkpoint under dp 3 and fsdp
 #   (each strategy's own resume tests read the same layout).
@@ -50,9 +51,9 @@ skip=(
   'LowLevelZero\.(Stage2_SmallBuckets|Stage1_OneTwoThreeRanks|CommunicationPerStep|Memory_|Bf16_).*'
   'FsdpParity\.(SaveFullOnTwoRanksResumeOnThree|SaveShardedOnThreeRanksResumeOnTwo|TwoAndThreeRanks_BufferDtype|ThreeRanks_Bf16).*'
   'DdpParity\.(Ddp_TwoRanks_AllReduceBytesEqualGradientBytes|CheckpointOfAnotherStrategy|Bf16NoiseFloor).*'
-  'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama|Tp_PaddedVocabulary|Bf16_Tp2|Tp2_Communication|Checkpoint_Tp2Pp2|Tp2Pp2AndTp2Dp2|Tp2_LlamaGqa|ActivationMemoryPerBlock|SequenceParallel_(Communication|OddSequence|Tp2AndTp3)|AllOptimizations|SequenceParallelRing_Communication|Ulysses_(LlamaGqa|Sp2With|Checkpoints|Communication|BadConfigurations)|RingAttn_(LlamaGqa|Sp2With|Checkpoint|Communication|BadConfigurations)|BadConfigurations|DataParallelPath|TorchScriptPolicy_Missing|LazyInit_|Checkpoint_SavedByPp2ResumesUnderDp3AndFsdp).*'
+  'HybridParallel\.(OneFOneB_ActivationMemory|Pp3_GptAndLlama|Tp_PaddedVocabulary|Bf16_Tp2|Tp2_Communication|Checkpoint_Tp2Pp2|Tp2Pp2AndTp2Dp2|Tp2_LlamaGqa|ActivationMemoryPerBlock|SequenceParallel_(Communication|OddSequence|Tp2AndTp3)|AllOptimizations|SequenceParallelRing_Communication|Ulysses_(LlamaGqa|Sp2With|Checkpoints|Communication|BadConfigurations)|RingAttn_(LlamaGqa|Sp2With|Checkpoint|Communication|BadConfigurations)|BadConfigurations|DataParallelPath|TorchScriptPolicy_Missing|Tp_UnsplittableModels|LazyInit_|Checkpoint_SavedByPp2ResumesUnderDp3AndFsdp).*'
   'LocalSgd\.SyncEveryStep_IsDdpExactly' 'ParallelLayout\.BadLayouts.*'
-  'GeminiParity\.(TwoRanks_ChunkSearch|FourRanks_ExtraDataParallel|Bf16AndFp16|TwoAndThreeRanks_HostPlacement|TwoRanks_LazyInit).*' 'GeminiBudget\..*'
+  'GeminiParity\.(BadConfigurations|TwoRanks_ChunkSearch|FourRanks_ExtraDataParallel|Bf16AndFp16|TwoAndThreeRanks_HostPlacement|TwoRanks_LazyInit).*' 'GeminiBudget\..*'
 )
 # usage: scripts/sanitize.sh [ctest arguments...]
 set -euo pipefail

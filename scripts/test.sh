@@ -19,6 +19,6 @@ build=${CAI_BUILD_DIR:-build}
 phase ctest ctest --test-dir "$build" --output-on-failure -j "$(nproc)" --timeout 900
 # A short run of each fuzz target over its kept corpus (scripts/fuzz.sh; 10 minutes each by
 # default when run by hand).
-phase fuzz scripts/fuzz.sh --seconds "${CAI_FUZZ_SECONDS:-20}"
+phase fuzz scripts/fuzz.sh --seconds "${CAI_FUZZ_SECONDS:-10}"
 # The host, SDK, ABI and plugin suites again, built with ASan and UBSan (scripts/sanitize.sh).
 phase sanitize scripts/sanitize.sh

@@ -35,15 +35,18 @@
 //
 // placement_policy = "auto" (ColossalAI's AutoPlacementPolicy, in the terms of this host):
 // without a device budget everything is on the device; under memory.device_budget the
-// optimizer state stays on the host (ColossalAI's default gpu_margin_mem_ratio = 0) and the
-// first step runs with the parameters' copies there too, except the last chunks' within
-// (1 - warmup_non_model_data_ratio) of the budget. When it ends the ranks agree on the
-// largest device peak (pool and LibTorch) any of them saw; the room below
-// steady_cuda_cap_ratio of the budget, less max_prefetch gathered chunks, takes chunks'
-// parameter copies onto the device (first chunks first), and what is left keeps gathered
-// chunks for reuse: a chunk released after use stays gathered if the cache has room or can
-// make it by evicting a chunk next needed later in the recorded order (Belady's rule, the
-// order the first micro-batch recorded); the cache empties at each step, whose update makes
+// optimizer state starts on the host and the first step runs with the parameters' copies
+// there too, except the last chunks' within (1 - warmup_non_model_data_ratio) of the budget.
+// When it ends the ranks agree on the largest device peak (pool and LibTorch) any of them saw.
+// gpu_margin_mem_ratio of the margin (the budget less that peak) takes whole chunks' fp32
+// master, gradient and optimizer-state shards onto the device, first chunks first, whose
+// update then runs there (ColossalAI's GeminiOptimizer moves its fp32 chunks into that margin
+// in the same way; its default 0 leaves all the state on the host). The room below
+// steady_cuda_cap_ratio of the budget, less that state and max_prefetch gathered chunks,
+// takes chunks' parameter copies onto the device (first chunks first), and what is left keeps
+// gathered chunks for reuse: a chunk released after use stays gathered if the cache has room
+// or can make it by evicting a chunk next needed later in the recorded order (Belady's rule,
+// the order the first micro-batch recorded); the cache empties at each step, whose update makes
 // the gathered copies stale. Every rank takes the same decisions (same chunks, same order,
 // same agreed capacity), so the collectives stay matched.
 //
@@ -198,9 +201,10 @@ class Gemini {
             StringKey("placement_policy", "\"static\"",
                       "static: chunks placed by shard_param_frac, offload_optim_frac and "
                       "offload_param_frac. auto: under a device budget (memory.device_budget) "
-                      "the optimizer state stays on the host and the first step runs with the "
-                      "parameters there too, measuring the device's peak; then chunks' "
-                      "parameters move to the device while steady_cuda_cap_ratio of the budget "
+                      "the optimizer state starts on the host and the first step runs with the "
+                      "parameters there too, measuring the device's peak; then chunks' state "
+                      "moves to the device within gpu_margin_mem_ratio of the margin left, and "
+                      "chunks' parameters while steady_cuda_cap_ratio of the budget "
                       "allows, and what remains keeps gathered chunks for reuse, evicting the "
                       "one needed furthest ahead in the recorded order. Without a budget, all "
                       "on the device and every gathered chunk kept until the step.",
@@ -222,6 +226,13 @@ class Gemini {
             FloatKey("steady_cuda_cap_ratio", "0.9",
                      "auto: share of the device budget the placement after the first step may "
                      "fill (ColossalAI's).",
+                     0, 1, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
+            FloatKey("gpu_margin_mem_ratio", "0.0",
+                     "auto, under a device budget: share of the margin the first step leaves "
+                     "(the budget less its device peak) that takes whole chunks' fp32 master, "
+                     "gradient and optimizer-state shards onto the device after that step, "
+                     "first chunks first, so that their update runs there (ColossalAI's). 0 "
+                     "keeps all the optimizer state on the host.",
                      0, 1, CAI_CONFIG_HAS_MIN | CAI_CONFIG_HAS_MAX),
             FloatKey("shard_param_frac", "1.0",
                      "Share of the chunks (by capacity, first chunks first) that are sharded "
@@ -288,6 +299,14 @@ class Gemini {
     auto_ = config.String("placement_policy") == "auto";
     cap_ratio_ = config.Float("steady_cuda_cap_ratio");
     warmup_ratio_ = config.Float("warmup_non_model_data_ratio");
+    margin_ratio_ = config.Float("gpu_margin_mem_ratio");
+    if (!auto_ && margin_ratio_ > 0) {
+      throw Error(CAI_INVALID_ARGUMENT,
+                  "gemini: gpu_margin_mem_ratio > 0 needs placement_policy = \"auto\" (it "
+                  "moves optimizer state into the room the first step leaves under "
+                  "memory.device_budget); with \"static\", offload_optim_frac places the "
+                  "optimizer state");
+    }
     if (auto_ &&
         (config.Float("shard_param_frac") != 1.0 || config.Float("offload_optim_frac") != 0.0 ||
          config.Float("offload_param_frac") != 0.0 ||
@@ -374,6 +393,13 @@ class Gemini {
       usage.struct_size = CAI_MEM_USAGE_STRUCT_SIZE;
       Check(Host().mempool->usage(CAI_MEM_DEVICE, &usage));
       budget_ = usage.budget_bytes;
+      if (budget_ == 0 && margin_ratio_ > 0) {
+        throw Error(CAI_INVALID_ARGUMENT,
+                    "gemini: gpu_margin_mem_ratio > 0 needs memory.device_budget: without a "
+                    "device budget placement_policy = \"auto\" keeps all the optimizer state "
+                    "on the device already; set memory.device_budget or remove "
+                    "gpu_margin_mem_ratio");
+      }
       optim_frac_ = budget_ > 0 ? 1.0 : 0.0;
       param_frac_ = optim_frac_;
       cache_cap_ = budget_ > 0 ? 0 : UINT64_MAX;
@@ -1199,9 +1225,10 @@ class Gemini {
   }
 
   // auto, after the first step: the ranks agree on the most any of them had on the device
-  // (pool and LibTorch) in it; the room below steady_cuda_cap_ratio of the budget (less what
-  // max_prefetch gathers ahead) takes chunks' parameter copies onto the device, first chunks
-  // first, and what is left becomes the cache of gathered chunks.
+  // (pool and LibTorch) in it; gpu_margin_mem_ratio of the margin above that takes chunks'
+  // fp32 state onto the device; the room below steady_cuda_cap_ratio of the budget (less that
+  // state and what max_prefetch gathers ahead) takes chunks' parameter copies onto the device,
+  // first chunks first, and what is left becomes the cache of gathered chunks.
   void FinishWarmUp() {
     warming_up_ = false;
     warmed_up_ = true;
@@ -1216,32 +1243,104 @@ class Gemini {
       largest = std::max<uint64_t>(largest, Bytes(c.capacity, compute_));
     double room = cap_ratio_ * static_cast<double>(budget_) - peak[0] -
                   static_cast<double>(max_prefetch_ * largest);
+    // Whole chunks' state (master, gradient and every slot, fp32) to the device while it fits.
+    const bool fp32 = SameDtype(compute_, kF32);
+    double margin = margin_ratio_ * (static_cast<double>(budget_) - peak[0]);
+    std::vector<bool> state_to_device(chunks_.size(), false);
+    uint64_t state_moved = 0;
+    int states = 0;
+    for (size_t k = 0; k < chunks_.size(); ++k) {
+      const Chunk& c = chunks_[k];
+      const auto bytes = static_cast<double>(Bytes(c.shard, kF32) * (2 + NumSlots()));
+      if (c.bank != kHost || margin < bytes) continue;
+      state_to_device[k] = true;
+      margin -= bytes;
+      room -= bytes;
+      // In fp32 the device master is the compute copy: a copy the chunk had there goes.
+      if (fp32 && c.compute == 0) room += static_cast<double>(Bytes(c.shard, compute_));
+      state_moved += static_cast<uint64_t>(bytes);
+      ++states;
+    }
+    if (states > 0) MoveStatesToDevice(state_to_device);
     // Parameter copies to the device, chunk by chunk while they fit.
     std::vector<int> target(chunks_.size());
     uint64_t promoted = 0;
     int moved = 0;
     for (size_t k = 0; k < chunks_.size(); ++k) {
       const Chunk& c = chunks_[k];
-      target[k] = c.compute;
+      target[k] = fp32 && c.bank == kDevice ? -1 : c.compute;
       const auto bytes = static_cast<double>(Bytes(c.shard, compute_));
-      if (c.compute == 1 && room >= bytes) {
+      if (target[k] == 1 && room >= bytes) {
         target[k] = 0;
         room -= bytes;
         promoted += static_cast<uint64_t>(bytes);
         ++moved;
       }
     }
-    if (moved > 0) MoveComputeCopies(target);
+    if (moved > 0 || (fp32 && states > 0)) MoveComputeCopies(target);
     cache_cap_ = room > 0 ? static_cast<uint64_t>(room) : 0;
     std::ostringstream line;
     line << "gemini: auto placement after the first step: device peak "
-         << static_cast<uint64_t>(peak[0]) << " B of a budget of " << budget_ << " B; " << moved
-         << " of " << chunks_.size() << " chunks' parameters (" << promoted
-         << " B) moved to the device; " << cache_cap_ << " B keep gathered chunks for reuse";
+         << static_cast<uint64_t>(peak[0]) << " B of a budget of " << budget_ << " B; " << states
+         << " of " << chunks_.size() << " chunks' optimizer state (" << state_moved
+         << " B with their fp32 masters and gradients) moved to the device (gpu_margin_mem_ratio "
+         << margin_ratio_ << "); " << moved << " of " << chunks_.size() << " chunks' parameters ("
+         << promoted << " B) moved to the device; " << cache_cap_
+         << " B keep gathered chunks for reuse";
     cai::sdk::Log(CAI_LOG_INFO, line.str());
   }
 
-  // Re-lays the compute-dtype copies with chunk k's in compute_bufs_[target[k]].
+  // Re-lays the device and host banks with the state of the chunks `to_device` marks (all in
+  // the host bank) moved to the device bank: fp32 master, gradient and every optimizer slot.
+  void MoveStatesToDevice(const std::vector<bool>& to_device) {
+    std::array<int64_t, 2> numel{0, 0};  // kDevice, kHost
+    std::vector<int64_t> base(chunks_.size(), 0);
+    for (size_t k = 0; k < chunks_.size(); ++k) {
+      const Chunk& c = chunks_[k];
+      if (c.bank == kNvme) continue;
+      const int b = to_device[k] ? kDevice : c.bank;
+      base[k] = numel[b];
+      numel[b] += c.shard;
+    }
+    const char* const tags[2] = {"gemini.device", "gemini.host"};
+    std::array<Bank, 2> fresh;
+    for (int b = 0; b < 2; ++b) {
+      Bank& bank = fresh[b];
+      bank.tier = banks_[b].tier;
+      bank.numel = numel[b];
+      bank.master = Alloc(bank.tier, bank.numel, kF32, tags[b]);
+      bank.grads = Alloc(bank.tier, bank.numel, kF32, tags[b]);
+      bank.device = View(bank.grads, kF32, 0, &bank.numel).device;
+      bank.optim =
+          cai::sdk::FlatOptimizer(optimizer_, static_cast<size_t>(bank.numel), bank.tier, tags[b]);
+    }
+    auto copy = [&](const Buffer& to, int64_t to_base, const Buffer& from, int64_t from_base,
+                    int64_t n) {
+      Check(Host().mempool->copy(static_cast<float*>(to.data()) + to_base,
+                                 static_cast<const float*>(from.data()) + from_base, Bytes(n, kF32),
+                                 nullptr));
+    };
+    for (size_t k = 0; k < chunks_.size(); ++k) {
+      Chunk& c = chunks_[k];
+      if (c.bank == kNvme) continue;
+      const Bank& from = banks_[c.bank];
+      const int b = to_device[k] ? kDevice : c.bank;
+      Bank& to = fresh[b];
+      copy(to.master, base[k], from.master, c.base, c.shard);
+      copy(to.grads, base[k], from.grads, c.base, c.shard);
+      for (size_t slot = 0; slot < NumSlots(); ++slot) {
+        copy(to.optim.state(slot), base[k], from.optim.state(slot), c.base, c.shard);
+      }
+      if (to_device[k])
+        traffic_.to_device += static_cast<double>(Bytes(c.shard, kF32) * (2 + NumSlots()));
+      c.bank = b;
+      c.base = base[k];
+    }
+    for (int b = 0; b < 2; ++b) banks_[b] = std::move(fresh[b]);
+  }
+
+  // Re-lays the compute-dtype copies with chunk k's in compute_bufs_[target[k]] (-1: none, for
+  // an fp32 chunk whose master is on the device).
   void MoveComputeCopies(const std::vector<int>& target) {
     std::array<int64_t, 2> numel{0, 0};
     std::vector<int64_t> cbase(chunks_.size(), 0);
@@ -1259,6 +1358,10 @@ class Gemini {
     for (size_t k = 0; k < chunks_.size(); ++k) {
       Chunk& c = chunks_[k];
       if (c.compute < 0) continue;
+      if (target[k] < 0) {  // fp32 with its master on the device: that is the copy
+        c.compute = -1;
+        continue;
+      }
       Check(Host().mempool->copy(
           static_cast<char*>(fresh[target[k]].data()) + Bytes(cbase[k], compute_),
           static_cast<char*>(compute_bufs_[c.compute].data()) + Bytes(c.cbase, compute_),
@@ -1444,6 +1547,7 @@ class Gemini {
   bool nvme_masters_ = false;
   bool auto_ = false;
   double cap_ratio_ = 0.9;
+  double margin_ratio_ = 0.0;
   double warmup_ratio_ = 0.8;
   uint64_t budget_ = 0;  // auto: the DEVICE tier's budget (0: none)
   int64_t stream_elements_ = 1 << 20;

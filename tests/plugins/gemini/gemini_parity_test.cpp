@@ -450,6 +450,12 @@ TEST(GeminiParity, BadConfigurationsFailClearly) {
       {1, {"plugin.gemini.shard_param_frac=1.5"}, "shard_param_frac"},
       {1, {"plugin.gemini.placement_policy=dynamic"}, "placement_policy"},
       {1, {"plugin.gemini.chunk_init_device=cuda"}, "chunk_init_device"},
+      {1,
+       {"plugin.gemini.gpu_margin_mem_ratio=0.5"},
+       "gpu_margin_mem_ratio > 0 needs placement_policy = \"auto\""},
+      {1,
+       {"plugin.gemini.placement_policy=auto", "plugin.gemini.gpu_margin_mem_ratio=0.5"},
+       "gpu_margin_mem_ratio > 0 needs memory.device_budget"},
   };
   int k = 0;
   for (const auto& [nproc, sets, what] : cases) {
@@ -514,7 +520,9 @@ TEST(GeminiBudget, TwoRanks_QuarterOfModelStatesTrainsWhereFsdpAndZeroRunOutOfMe
   // auto under the same budget: the first step with the last chunks' parameters on the device
   // while they fit in (1 - warmup_non_model_data_ratio) of it, the others on the host; then as
   // many more on the device as the measured peak leaves room for. With the ratio at 1 the
-  // first step keeps them all on the host.
+  // first step keeps them all on the host. With gpu_margin_mem_ratio, whole chunks' optimizer
+  // state (fp32 and bf16) moves into that share of the margin after the first step and is
+  // updated there; without it none does.
   std::vector<std::string> automatic = kBudgetModel;
   for (const char* s : {"plugin.gemini.placement_policy=auto", "plugin.gemini.hidden_dim=256",
                         "plugin.gemini.min_chunk_size_m=0.18", "plugin.gemini.search_range_m=0.1",
@@ -524,20 +532,41 @@ TEST(GeminiBudget, TwoRanks_QuarterOfModelStatesTrainsWhereFsdpAndZeroRunOutOfMe
   automatic.push_back("memory.device_budget=" + std::to_string(budget));
   std::vector<std::string> all_host = automatic;
   all_host.push_back("plugin.gemini.warmup_non_model_data_ratio=1.0");
+  std::vector<std::string> margin = automatic;
+  margin.push_back("plugin.gemini.gpu_margin_mem_ratio=0.8");
+  std::vector<std::string> margin_bf16 = margin;
+  margin_bf16.push_back("train.precision=bf16");
+  std::vector<std::string> ref_bf16 = kBudgetModel;
+  ref_bf16.push_back("train.precision=bf16");
   for (const auto& [name, sets] : {std::pair{std::string("auto"), automatic},
-                                   std::pair{std::string("auto_warm_host"), all_host}}) {
+                                   std::pair{std::string("auto_warm_host"), all_host},
+                                   std::pair{std::string("auto_margin"), margin},
+                                   std::pair{std::string("auto_margin_bf16"), margin_bf16}}) {
     SCOPED_TRACE(name);
     const TrainRun by_auto = Gemini(name, 2, sets);
-    ExpectParity(ref, by_auto);
-    EXPECT_NE(by_auto.output.find("auto placement after the first step"), std::string::npos)
-        << by_auto.output;
+    const bool bf16 = name == "auto_margin_bf16";
+    if (bf16) {
+      cai::testing::ExpectMatches(Reference(ref_bf16), by_auto, cai::testing::kBf16AdamW);
+    } else {
+      ExpectParity(ref, by_auto);
+    }
+    const size_t placed = by_auto.output.find("auto placement after the first step");
+    ASSERT_NE(placed, std::string::npos) << by_auto.output;
+    const size_t states_at = by_auto.output.find(" B; ", placed);
+    ASSERT_NE(states_at, std::string::npos) << by_auto.output;
+    const int states = std::stoi(by_auto.output.substr(states_at + 4));
+    if (name.rfind("auto_margin", 0) == 0) {
+      EXPECT_GT(states, 0) << by_auto.output;
+    } else {
+      EXPECT_EQ(states, 0) << by_auto.output;
+    }
     const size_t warm = by_auto.output.find("auto warm-up: ");
     ASSERT_NE(warm, std::string::npos) << by_auto.output;
     const int on_device = std::stoi(by_auto.output.substr(warm + 14));
-    if (name == "auto") {
-      EXPECT_GT(on_device, 0) << by_auto.output;
-    } else {
+    if (name == "auto_warm_host") {
       EXPECT_EQ(on_device, 0) << by_auto.output;
+    } else {
+      EXPECT_GT(on_device, 0) << by_auto.output;
     }
     for (size_t at = by_auto.summary.find(key); at != std::string::npos;
          at = by_auto.summary.find(key, at + 1)) {

@@ -81,6 +81,16 @@ def add_job_options(p, pairs=3):
 def run_cai(build, job, run_dir, plugin, table="", sets=()):
     """Trains `job` (add_job_options' namespace) plus `table` (TOML) with plugin `plugin` on
     job.nproc ranks into run_dir; returns summary.json. `sets` are further --set KEY=VALUE."""
+    summary, cmd, done = try_cai(build, job, run_dir, plugin, table, sets)
+    if summary is None:
+        sys.exit(f"{' '.join(cmd)} failed (exit {done.returncode}):\n"
+                 f"{(done.stdout + done.stderr)[-4000:]}")
+    return summary
+
+
+def try_cai(build, job, run_dir, plugin, table="", sets=()):
+    """run_cai for a run that may fail: (summary.json or None, the command, its
+    CompletedProcess)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job_file = run_dir.with_suffix(".toml")
     job_file.write_text(JOB.format(**vars(job)) + table)
@@ -92,9 +102,8 @@ def run_cai(build, job, run_dir, plugin, table="", sets=()):
         cmd += ["--set", s]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=job.timeout)
     if done.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed (exit {done.returncode}):\n"
-                 f"{(done.stdout + done.stderr)[-4000:]}")
-    return json.loads((run_dir / "summary.json").read_text())
+        return None, cmd, done
+    return json.loads((run_dir / "summary.json").read_text()), cmd, done
 
 
 def cai_figures(summary):

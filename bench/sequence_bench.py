@@ -17,6 +17,14 @@ Longest sequence: the peak is a + b·T (fitted through the two longest lengths m
 T where it reaches --limit-gib per rank is extrapolated, not run (the attention's compute grows
 as T², so a run at that length would take hours on this machine's two cores).
 
+Longest sequence, measured (--longest-gib G): for each mode, the longest T (a multiple of
+--longest-step) that trains the steps with memory.device_budget = G GiB per rank, which counts
+everything a rank allocates (the pool's buffers, so parameters, gradients and optimizer state,
+and LibTorch's activations and temporaries) and fails the run with an out-of-memory error past
+it. Searched from the fit's prediction: up or down by a quarter until one length trains and
+one fails, then bisected down to the step. G is kept small enough that the runs take minutes:
+the limit above, extrapolated, is where the figures for a whole machine come from.
+
 Speed (--speed-pairs N): two modes (--speed-modes, default tp 2 and tp 2 + split_gather)
 alternating N times at T = --speed-len (global batch 8, 6 steps), tokens/s of each and the
 per-pair ratio of the second to the first, median with min-max: e.g. what split_gather's
@@ -24,15 +32,18 @@ all-gathers, reduce-scatters and re-gather in backward cost against tensor paral
 all-reduces, or ring attention against Ulysses.
 
 usage: bench/sequence_bench.py BUILD_DIR [--lengths 1024,2048,4096,8192] [--limit-gib 10]
+                               [--longest-gib 1 [--longest-step 512]]
                                [--modes "1 rank,sp 2 all_to_all"] [--speed-pairs 5]
                                [--speed-modes "tp 2,tp 2 + split_gather"] [--speed-len 1024]
                                [job sizes of benchlib.py]
 """
 import argparse
+import sys
 import tempfile
+import time
 from pathlib import Path
 
-from benchlib import add_job_options, format_spread, run_cai, spread
+from benchlib import add_job_options, format_spread, run_cai, spread, try_cai
 
 MODES = {
     "1 rank": (1, ""),
@@ -56,6 +67,61 @@ def peak(build, args, work, mode, t):
                       "\n[plugin.hybrid_parallel]\n" + table,
                       sets=("model.memory_efficient_attention=true", "data.eval_fraction=0"))
     return max(r["framework_step_peak_bytes"] for r in summary["ranks"]), summary["blas"]
+
+
+def trains(build, args, work, mode, t, budget):
+    """(summary.json, seconds) when `mode` trains at length t under the device budget; None
+    when it runs out of it. Any other failure ends the benchmark."""
+    nproc, table = MODES[mode]
+    args.nproc = nproc
+    args.seq_len = args.n_ctx = t
+    run_dir = work / f"longest-{mode.replace(' ', '_').replace('+', '')}-{t}"
+    start = time.monotonic()
+    summary, cmd, done = try_cai(build, args, run_dir, "hybrid_parallel",
+                                 "\n[plugin.hybrid_parallel]\n" + table,
+                                 sets=("model.memory_efficient_attention=true",
+                                       "data.eval_fraction=0", f"memory.device_budget={budget}"))
+    took = time.monotonic() - start
+    if summary is not None:
+        return summary, took
+    output = done.stdout + done.stderr
+    if "on memory tier DEVICE" not in output:
+        sys.exit(f"{' '.join(cmd)} failed (exit {done.returncode}) other than by running out of "
+                 f"the device budget:\n{output[-4000:]}")
+    return None
+
+
+def longest(build, args, work, mode, budget, guess):
+    """The longest multiple of args.longest_step that trains under `budget` bytes per rank and
+    the shortest that does not, searched from `guess`."""
+    step = args.longest_step
+    snap = lambda t: max(step, int(round(t / step)) * step)  # noqa: E731
+    fits, fails, best = None, None, None
+    t = snap(guess)
+    while fits is None or fails is None:
+        ran = trains(build, args, work, mode, t, budget)
+        print(f"    {mode}: T = {t}: {'trained' if ran else 'out of the budget'}", flush=True)
+        if ran:
+            fits, best = t, ran
+            if fails is None:
+                t = snap(t * 1.25) if snap(t * 1.25) > t else t + step
+        else:
+            fails = t
+            if fits is None:
+                if t == step:
+                    return None, t, None
+                t = snap(t * 0.8) if snap(t * 0.8) < t else t - step
+    while fails - fits > step:
+        t = snap((fits + fails) / 2)
+        if t in (fits, fails):
+            t = fits + step
+        ran = trains(build, args, work, mode, t, budget)
+        print(f"    {mode}: T = {t}: {'trained' if ran else 'out of the budget'}", flush=True)
+        if ran:
+            fits, best = t, ran
+        else:
+            fails = t
+    return fits, fails, best
 
 
 def speed(build, args, work, first, second):
@@ -88,6 +154,10 @@ def main():
     p.add_argument("--limit-gib", dest="limit_gib", type=float, default=10.0)
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated, of: " + ", ".join(MODES))
+    p.add_argument("--longest-gib", dest="longest_gib", type=float, default=0.0,
+                   help="search each mode's longest T under this device budget per rank "
+                        "(needs two --lengths for the first guess)")
+    p.add_argument("--longest-step", dest="longest_step", type=int, default=512)
     p.add_argument("--speed-pairs", dest="speed_pairs", type=int, default=0)
     p.add_argument("--speed-modes", dest="speed_modes", default="tp 2,tp 2 + split_gather",
                    help="the two modes the speed pairs alternate, comma-separated")
@@ -127,6 +197,8 @@ def main():
         if args.speed_pairs:
             speed(build, args, Path(tmp), *speed_modes)
         if len(lengths) < 2:
+            if args.longest_gib:
+                p.error("--longest-gib needs two --lengths to fit its first guess")
             return
         limit = args.limit_gib * 2 ** 30
         print(f"\nlongest sequence within {args.limit_gib:g} GiB of LibTorch's memory per rank "
@@ -136,6 +208,30 @@ def main():
             base = last[mode] - slope * lengths[-1]
             print(f"  {mode:>20}: {slope / 1024:.1f} KiB per token, T ≈ "
                   f"{int((limit - base) / slope):,}", flush=True)
+        if not args.longest_gib:
+            return
+        budget = int(args.longest_gib * 2 ** 30)
+        print(f"\nlongest sequence that trains {args.steps} steps under memory.device_budget = "
+              f"{budget} B ({args.longest_gib:g} GiB) per rank, in steps of {args.longest_step}, "
+              f"searched from the fit's prediction for LibTorch's memory alone:")
+        found = {}
+        for mode in modes:
+            slope = (last[mode] - before[mode]) / (lengths[-1] - lengths[-2])
+            base = last[mode] - slope * lengths[-1]
+            found[mode] = longest(build, args, Path(tmp), mode, budget, (budget - base) / slope)
+        print(f"\n{'mode':>20} {'longest T':>10} {'fails at':>9} {'device peak MiB':>16} "
+              f"{'s/step':>7} {'/ 1 rank':>9}")
+        for mode in modes:
+            fits, fails, best = found[mode]
+            if fits is None:
+                print(f"{mode:>20} {'none':>10} {fails:>9}")
+                continue
+            summary, took = best
+            device = max(r["device_total_peak_bytes"] for r in summary["ranks"])
+            ratio = (f"{fits / found['1 rank'][0]:>9.2f}"
+                     if found.get("1 rank", (None,))[0] else "")
+            print(f"{mode:>20} {fits:>10} {fails:>9} {device / mib:>16.1f} "
+                  f"{summary['median_step_time_s']:>7.1f} {ratio}", flush=True)
 
 
 if __name__ == "__main__":

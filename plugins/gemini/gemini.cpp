@@ -1244,6 +1244,8 @@ class Gemini {
     double room = cap_ratio_ * static_cast<double>(budget_) - peak[0] -
                   static_cast<double>(max_prefetch_ * largest);
     // Whole chunks' state (master, gradient and every slot, fp32) to the device while it fits.
+    // A chunk whose state moves has its update write the compute copy from the device master:
+    // in fp32 that master is the copy, and a 16-bit copy held on the host moves with it.
     const bool fp32 = SameDtype(compute_, kF32);
     double margin = margin_ratio_ * (static_cast<double>(budget_) - peak[0]);
     std::vector<bool> state_to_device(chunks_.size(), false);
@@ -1251,13 +1253,14 @@ class Gemini {
     int states = 0;
     for (size_t k = 0; k < chunks_.size(); ++k) {
       const Chunk& c = chunks_[k];
-      const auto bytes = static_cast<double>(Bytes(c.shard, kF32) * (2 + NumSlots()));
+      const auto copy = static_cast<double>(Bytes(c.shard, compute_));
+      const double bytes = static_cast<double>(Bytes(c.shard, kF32) * (2 + NumSlots())) +
+                           (!fp32 && c.compute == 1 ? copy : 0.0);
       if (c.bank != kHost || margin < bytes) continue;
       state_to_device[k] = true;
       margin -= bytes;
       room -= bytes;
-      // In fp32 the device master is the compute copy: a copy the chunk had there goes.
-      if (fp32 && c.compute == 0) room += static_cast<double>(Bytes(c.shard, compute_));
+      if (fp32 && c.compute == 0) room += copy;  // the device copy it had goes
       state_moved += static_cast<uint64_t>(bytes);
       ++states;
     }
@@ -1268,7 +1271,7 @@ class Gemini {
     int moved = 0;
     for (size_t k = 0; k < chunks_.size(); ++k) {
       const Chunk& c = chunks_[k];
-      target[k] = fp32 && c.bank == kDevice ? -1 : c.compute;
+      target[k] = !state_to_device[k] ? c.compute : fp32 ? -1 : 0;
       const auto bytes = static_cast<double>(Bytes(c.shard, compute_));
       if (target[k] == 1 && room >= bytes) {
         target[k] = 0;
@@ -1277,13 +1280,14 @@ class Gemini {
         ++moved;
       }
     }
-    if (moved > 0 || (fp32 && states > 0)) MoveComputeCopies(target);
+    if (moved > 0 || states > 0) MoveComputeCopies(target);
     cache_cap_ = room > 0 ? static_cast<uint64_t>(room) : 0;
     std::ostringstream line;
     line << "gemini: auto placement after the first step: device peak "
          << static_cast<uint64_t>(peak[0]) << " B of a budget of " << budget_ << " B; " << states
-         << " of " << chunks_.size() << " chunks' optimizer state (" << state_moved
-         << " B with their fp32 masters and gradients) moved to the device (gpu_margin_mem_ratio "
+         << " of " << chunks_.size() << " chunks' fp32 master, gradient and optimizer state ("
+         << state_moved
+         << " B, with any 16-bit copy on the host) moved to the device (gpu_margin_mem_ratio "
          << margin_ratio_ << "); " << moved << " of " << chunks_.size() << " chunks' parameters ("
          << promoted << " B) moved to the device; " << cache_cap_
          << " B keep gathered chunks for reuse";

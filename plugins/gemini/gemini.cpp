@@ -426,25 +426,9 @@ class Gemini {
     // Banks: the fp32 shards of the chunks of each placement, end to end.
     const cai_mem_tier host_tier = pin_ ? CAI_MEM_PINNED_HOST : CAI_MEM_HOST;
     const cai_mem_tier bank_tiers[kBanks] = {CAI_MEM_DEVICE, host_tier, host_tier};
-    const char* const bank_tags[kBanks] = {"gemini.device", "gemini.host", "gemini.host"};
     for (int b = 0; b < kBanks; ++b) {
-      Bank& bank = banks_[b];
-      bank.tier = bank_tiers[b];
-      bank.master = b == kNvme && nvme_masters_ && bank.numel > 0
-                        ? Buffer::Alloc(CAI_MEM_NVME, Bytes(bank.numel, kF32), "gemini.nvme",
-                                        /*zero_fill=*/false, CAI_MEM_ALLOC_UNMAPPED)
-                        : Alloc(bank.tier, bank.numel, kF32, bank_tags[b]);
-      bank.grads = Alloc(bank.tier, bank.numel, kF32, bank_tags[b]);
-      bank.device = View(bank.grads, kF32, 0, &bank.numel).device;
-      if (b != kNvme) {
-        bank.optim = cai::sdk::FlatOptimizer(optimizer_, static_cast<size_t>(bank.numel), bank.tier,
-                                             bank_tags[b]);
-      } else if (bank.numel > 0) {
-        for (uint32_t k = 0; k < cai::sdk::MaxStateSlots(optimizer_); ++k) {
-          bank.nvme.push_back(Buffer::Alloc(CAI_MEM_NVME, Bytes(bank.numel, kF32), "gemini.nvme",
-                                            /*zero_fill=*/false, CAI_MEM_ALLOC_UNMAPPED));
-        }
-      }
+      banks_[b].tier = bank_tiers[b];
+      AllocBank(b, banks_[b]);
     }
     for (int k = 0; k < 2; ++k) {
       compute_bufs_[k] = Alloc(k == 0 ? CAI_MEM_DEVICE : host_tier, compute_numel_[k], compute_,
@@ -1294,6 +1278,29 @@ class Gemini {
     cai::sdk::Log(CAI_LOG_INFO, line.str());
   }
 
+  // Bank b's buffers for bank.numel elements on bank.tier: fp32 master and gradient shards and
+  // the optimizer's state slots (the NVMe bank's slots, and with nvme_offload_masters its
+  // master, unmapped on NVMe).
+  void AllocBank(int b, Bank& bank) const {
+    static constexpr const char* kTags[kBanks] = {"gemini.device", "gemini.host", "gemini.host"};
+    auto nvme = [&] {
+      return Buffer::Alloc(CAI_MEM_NVME, Bytes(bank.numel, kF32), "gemini.nvme",
+                           /*zero_fill=*/false, CAI_MEM_ALLOC_UNMAPPED);
+    };
+    bank.master = b == kNvme && nvme_masters_ && bank.numel > 0
+                      ? nvme()
+                      : Alloc(bank.tier, bank.numel, kF32, kTags[b]);
+    bank.grads = Alloc(bank.tier, bank.numel, kF32, kTags[b]);
+    bank.device = View(bank.grads, kF32, 0, &bank.numel).device;
+    if (b != kNvme) {
+      bank.optim =
+          cai::sdk::FlatOptimizer(optimizer_, static_cast<size_t>(bank.numel), bank.tier, kTags[b]);
+    } else if (bank.numel > 0) {
+      for (uint32_t k = 0; k < cai::sdk::MaxStateSlots(optimizer_); ++k)
+        bank.nvme.push_back(nvme());
+    }
+  }
+
   // Re-lays the device and host banks with the state of the chunks `to_device` marks (all in
   // the host bank) moved to the device bank: fp32 master, gradient and every optimizer slot.
   void MoveStatesToDevice(const std::vector<bool>& to_device) {
@@ -1306,17 +1313,11 @@ class Gemini {
       base[k] = numel[b];
       numel[b] += c.shard;
     }
-    const char* const tags[2] = {"gemini.device", "gemini.host"};
     std::array<Bank, 2> fresh;
     for (int b = 0; b < 2; ++b) {
-      Bank& bank = fresh[b];
-      bank.tier = banks_[b].tier;
-      bank.numel = numel[b];
-      bank.master = Alloc(bank.tier, bank.numel, kF32, tags[b]);
-      bank.grads = Alloc(bank.tier, bank.numel, kF32, tags[b]);
-      bank.device = View(bank.grads, kF32, 0, &bank.numel).device;
-      bank.optim =
-          cai::sdk::FlatOptimizer(optimizer_, static_cast<size_t>(bank.numel), bank.tier, tags[b]);
+      fresh[b].tier = banks_[b].tier;
+      fresh[b].numel = numel[b];
+      AllocBank(b, fresh[b]);
     }
     auto copy = [&](const Buffer& to, int64_t to_base, const Buffer& from, int64_t from_base,
                     int64_t n) {

@@ -40,7 +40,6 @@ usage: bench/sequence_bench.py BUILD_DIR [--lengths 1024,2048,4096,8192] [--limi
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchlib import add_job_options, format_spread, run_cai, spread, try_cai
@@ -58,32 +57,37 @@ MODES = {
 }
 
 
-def peak(build, args, work, mode, t):
+# Every run: the tiled attention, and no evaluation.
+SETS = ("model.memory_efficient_attention=true", "data.eval_fraction=0")
+
+
+def slug(mode):
+    return mode.replace(" ", "_").replace("+", "")
+
+
+def job(args, work, mode, t, prefix=""):
+    """Sets args to `mode` at length t; returns the run's directory and plugin table."""
     nproc, table = MODES[mode]
     args.nproc = nproc
     args.seq_len = args.n_ctx = t
-    run_dir = work / f"{mode.replace(' ', '_').replace('+', '')}-{t}"
-    summary = run_cai(build, args, run_dir, "hybrid_parallel",
-                      "\n[plugin.hybrid_parallel]\n" + table,
-                      sets=("model.memory_efficient_attention=true", "data.eval_fraction=0"))
+    return work / f"{prefix}{slug(mode)}-{t}", "\n[plugin.hybrid_parallel]\n" + table
+
+
+def peak(build, args, work, mode, t):
+    run_dir, table = job(args, work, mode, t)
+    summary = run_cai(build, args, run_dir, "hybrid_parallel", table, sets=SETS)
     return max(r["framework_step_peak_bytes"] for r in summary["ranks"]), summary["blas"]
 
 
 def trains(build, args, work, mode, t, budget):
-    """(summary.json, seconds) when `mode` trains at length t under the device budget; None
-    when it runs out of it. Any other failure ends the benchmark."""
-    nproc, table = MODES[mode]
-    args.nproc = nproc
-    args.seq_len = args.n_ctx = t
-    run_dir = work / f"longest-{mode.replace(' ', '_').replace('+', '')}-{t}"
-    start = time.monotonic()
-    summary, cmd, done = try_cai(build, args, run_dir, "hybrid_parallel",
-                                 "\n[plugin.hybrid_parallel]\n" + table,
-                                 sets=("model.memory_efficient_attention=true",
-                                       "data.eval_fraction=0", f"memory.device_budget={budget}"))
-    took = time.monotonic() - start
+    """summary.json when `mode` trains at length t under the device budget; None when it runs
+    out of it. Any other failure ends the benchmark."""
+    run_dir, table = job(args, work, mode, t, prefix="longest-")
+    summary, cmd, done = try_cai(build, args, run_dir, "hybrid_parallel", table,
+                                 sets=SETS + (f"memory.device_budget={budget}",))
+    print(f"    {mode}: T = {t}: {'trained' if summary else 'out of the budget'}", flush=True)
     if summary is not None:
-        return summary, took
+        return summary
     output = done.stdout + done.stderr
     if "on memory tier DEVICE" not in output:
         sys.exit(f"{' '.join(cmd)} failed (exit {done.returncode}) other than by running out of "
@@ -92,31 +96,29 @@ def trains(build, args, work, mode, t, budget):
 
 
 def longest(build, args, work, mode, budget, guess):
-    """The longest multiple of args.longest_step that trains under `budget` bytes per rank and
-    the shortest that does not, searched from `guess`."""
+    """The longest multiple of args.longest_step that trains under `budget` bytes per rank, the
+    shortest that does not and the longest's summary.json, searched from `guess`."""
     step = args.longest_step
     snap = lambda t: max(step, int(round(t / step)) * step)  # noqa: E731
     fits, fails, best = None, None, None
     t = snap(guess)
     while fits is None or fails is None:
         ran = trains(build, args, work, mode, t, budget)
-        print(f"    {mode}: T = {t}: {'trained' if ran else 'out of the budget'}", flush=True)
         if ran:
             fits, best = t, ran
             if fails is None:
-                t = snap(t * 1.25) if snap(t * 1.25) > t else t + step
+                t = max(snap(t * 1.25), t + step)
         else:
             fails = t
             if fits is None:
                 if t == step:
                     return None, t, None
-                t = snap(t * 0.8) if snap(t * 0.8) < t else t - step
+                t = min(snap(t * 0.8), t - step)
     while fails - fits > step:
         t = snap((fits + fails) / 2)
         if t in (fits, fails):
             t = fits + step
         ran = trains(build, args, work, mode, t, budget)
-        print(f"    {mode}: T = {t}: {'trained' if ran else 'out of the budget'}", flush=True)
         if ran:
             fits, best = t, ran
         else:
@@ -133,11 +135,9 @@ def speed(build, args, work, first, second):
         figures = {}
         for mode in (first, second):
             args.nproc = MODES[mode][0]
-            run_dir = work / f"speed-{mode.replace(' ', '_').replace('+', '')}-{i}"
+            run_dir = work / f"speed-{slug(mode)}-{i}"
             summary = run_cai(build, args, run_dir, "hybrid_parallel",
-                              "\n[plugin.hybrid_parallel]\n" + MODES[mode][1],
-                              sets=("model.memory_efficient_attention=true",
-                                    "data.eval_fraction=0"))
+                              "\n[plugin.hybrid_parallel]\n" + MODES[mode][1], sets=SETS)
             figures[mode] = summary["tokens_per_s"]
         ratios.append(figures[second] / figures[first])
         print(f"  pair {i + 1}: {first} {figures[first]:.0f}, {second} {figures[second]:.0f}, "
@@ -203,9 +203,11 @@ def main():
         limit = args.limit_gib * 2 ** 30
         print(f"\nlongest sequence within {args.limit_gib:g} GiB of LibTorch's memory per rank "
               f"(a + b·T through T = {lengths[-2]} and {lengths[-1]}, extrapolated):")
+        fit = {}  # mode: (b, a) of a + b·T
         for mode in modes:
             slope = (last[mode] - before[mode]) / (lengths[-1] - lengths[-2])
             base = last[mode] - slope * lengths[-1]
+            fit[mode] = slope, base
             print(f"  {mode:>20}: {slope / 1024:.1f} KiB per token, T ≈ "
                   f"{int((limit - base) / slope):,}", flush=True)
         if not args.longest_gib:
@@ -216,8 +218,7 @@ def main():
               f"searched from the fit's prediction for LibTorch's memory alone:")
         found = {}
         for mode in modes:
-            slope = (last[mode] - before[mode]) / (lengths[-1] - lengths[-2])
-            base = last[mode] - slope * lengths[-1]
+            slope, base = fit[mode]
             found[mode] = longest(build, args, Path(tmp), mode, budget, (budget - base) / slope)
         print(f"\n{'mode':>20} {'longest T':>10} {'fails at':>9} {'device peak MiB':>16} "
               f"{'s/step':>7} {'/ 1 rank':>9}")
@@ -226,7 +227,7 @@ def main():
             if fits is None:
                 print(f"{mode:>20} {'none':>10} {fails:>9}")
                 continue
-            summary, took = best
+            summary = best
             device = max(r["device_total_peak_bytes"] for r in summary["ranks"])
             ratio = (f"{fits / found['1 rank'][0]:>9.2f}"
                      if found.get("1 rank", (None,))[0] else "")

@@ -55,18 +55,27 @@ def environment():
     return dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def add_model_options(p):
-    """The job's ranks, steps, batch and GPT-2 sizes, the same on cai's side and the peers'
-    (default: a 4-layer GPT-2 of Ψ = 842,496)."""
+MODELS = ("gpt2", "llama")
+PRECISIONS = ("fp32", "bf16")
+
+
+def add_model_options(p, models=MODELS, precisions=PRECISIONS):
+    """The job's ranks, steps, batch, model and precision, the same on cai's side and the
+    peers' (default: a 4-layer GPT-2 of Ψ = 842,496 in fp32). A peer names the models and
+    precisions it implements, so that it refuses any other by name."""
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--global-batch", dest="global_batch", type=int, default=16)
     p.add_argument("--seq-len", dest="seq_len", type=int, default=128)
+    p.add_argument("--model", dest="kind", choices=models, default="gpt2")
     p.add_argument("--vocab-size", dest="vocab_size", type=int, default=256)
     p.add_argument("--n-ctx", dest="n_ctx", type=int, default=128)
     p.add_argument("--n-layer", dest="n_layer", type=int, default=4)
     p.add_argument("--n-head", dest="n_head", type=int, default=4)
+    p.add_argument("--n-kv-head", dest="n_kv_head", type=int, default=0,
+                   help="Llama's key/value heads (0: as many as --n-head)")
     p.add_argument("--n-embd", dest="n_embd", type=int, default=128)
+    p.add_argument("--precision", choices=precisions, default="fp32")
 
 
 def add_job_options(p, pairs=3):
@@ -75,7 +84,6 @@ def add_job_options(p, pairs=3):
     p.add_argument("--pairs", type=int, default=pairs)
     p.add_argument("--timeout", type=int, default=300,
                    help="seconds one run may take; a PyTorch peer past it is killed and rerun")
-    p.set_defaults(kind="gpt2", n_kv_head=0, precision="fp32")
 
 
 def run_cai(build, job, run_dir, plugin, table="", sets=()):
@@ -139,9 +147,11 @@ def peer_command(job, script):
     """bench/peers/`script`'s command line with the job's sizes."""
     return ["/usr/bin/python3", str(HERE / "peers" / script), "--nproc", str(job.nproc),
             "--steps", str(job.steps), "--global-batch", str(job.global_batch),
-            "--seq-len", str(job.seq_len), "--vocab-size", str(job.vocab_size),
-            "--n-ctx", str(job.n_ctx), "--n-layer", str(job.n_layer),
-            "--n-head", str(job.n_head), "--n-embd", str(job.n_embd)]
+            "--seq-len", str(job.seq_len), "--model", job.kind,
+            "--vocab-size", str(job.vocab_size), "--n-ctx", str(job.n_ctx),
+            "--n-layer", str(job.n_layer), "--n-head", str(job.n_head),
+            "--n-kv-head", str(job.n_kv_head), "--n-embd", str(job.n_embd),
+            "--precision", job.precision]
 
 
 def run_peer(job, cmd):

@@ -13,7 +13,8 @@ References: ddp -> torch-ddp (DistributedDataParallel); zero1, zero2, zero2-offl
 torch-zero (DDP + ZeroRedundancyOptimizer: PyTorch 1.13's FullyShardedDataParallel needs CUDA);
 tp2 -> torch-tp (Megatron-LM's f/g written by hand: 1.13 has no tensor-parallel API);
 sp2 -> torch-ulysses (DeepSpeed-Ulysses' all-to-alls written over all_to_all_single).
-The peers are GPT-2 in fp32 only; for a Llama or bf16 job the candidates are compared with the
+torch-ddp and torch-zero train GPT-2 or Llama in fp32 or bf16 (autocast); torch-tp and
+torch-ulysses GPT-2 in fp32 only. A strategy whose peer cannot run the job is compared with the
 first of --strategies instead, and the report says so.
 
 Writes OUT/results.json (the job, the machine, every run's raw figures, the summary) and
@@ -26,6 +27,7 @@ usage: bench/run.py BUILD_DIR [--size gpt2-30m] [--strategies ddp,zero2] [--peer
        bench/run.py --readme RESULTS.json
 """
 import argparse
+import collections
 import datetime
 import difflib
 import json
@@ -80,21 +82,38 @@ def ulysses_bytes(job, psi):
     return 4 * (4 * job.global_batch * job.seq_len // 2 * 2 * job.n_embd * job.n_layer) + 4 * psi
 
 
-# name: (script in bench/peers, bytes one rank hands to collectives per step as a function of
-# the job and Ψ, how). Counted as cai counts: a collective's whole buffer, fp32 gradients and
-# parameters.
+# name: script in bench/peers, bytes one rank hands to collectives per step as a function of
+# the job and Ψ, how, and the models and precisions the script implements. Bytes are counted as
+# cai counts them: a collective's whole buffer; under bf16 autocast PyTorch's gradients and
+# parameters stay fp32, so its bytes do not change with the precision.
+Peer = collections.namedtuple("Peer", "script bytes_per_step how models precisions")
+GPT2_FP32 = dict(models=("gpt2",), precisions=("fp32",))
+EVERY_JOB = dict(models=benchlib.MODELS, precisions=benchlib.PRECISIONS)
 PEERS = {
-    "torch-ddp": ("ddp_gpt2_torch.py", lambda job, psi: 4 * psi,
-                  "all-reduce of the gradients, 4Ψ"),
-    "torch-zero": ("zero_gpt2_torch.py", lambda job, psi: 8 * psi,
-                   "all-reduce of the gradients 4Ψ + broadcast of every parameter from its "
-                   "owner 4Ψ"),
-    "torch-tp": ("tp_gpt2_torch.py", megatron_bytes,
-                 "Megatron's f/g all-reduces, 4·((4L + 2)·B·T·e + 3·B·T) for the global batch"),
-    "torch-ulysses": ("ulysses_gpt2_torch.py", ulysses_bytes,
-                      "Ulysses' all-to-alls 4·4·B·(T/2)·2e·L for the global batch and DDP's "
-                      "4Ψ gradient all-reduce"),
+    "torch-ddp": Peer("ddp_gpt2_torch.py", lambda job, psi: 4 * psi,
+                      "all-reduce of the gradients, 4Ψ", **EVERY_JOB),
+    "torch-zero": Peer("zero_gpt2_torch.py", lambda job, psi: 8 * psi,
+                       "all-reduce of the gradients 4Ψ + broadcast of every parameter from its "
+                       "owner 4Ψ", **EVERY_JOB),
+    "torch-tp": Peer("tp_gpt2_torch.py", megatron_bytes,
+                     "Megatron's f/g all-reduces, 4·((4L + 2)·B·T·e + 3·B·T) for the global "
+                     "batch", **GPT2_FP32),
+    "torch-ulysses": Peer("ulysses_gpt2_torch.py", ulysses_bytes,
+                          "Ulysses' all-to-alls 4·4·B·(T/2)·2e·L for the global batch and DDP's "
+                          "4Ψ gradient all-reduce", **GPT2_FP32),
 }
+
+
+def why_peer_cannot(name, job):
+    """Why PyTorch peer `name` cannot run `job`, or None."""
+    peer = PEERS[name]
+    why = []
+    if job.kind not in peer.models:
+        why.append(f"{name} implements {', '.join(peer.models)} only, not {job.kind}")
+    if job.precision not in peer.precisions:
+        why.append(f"{name} trains in {', '.join(peer.precisions)} only, not {job.precision}")
+    return "; ".join(why) or None
+
 
 # Global batch x seq_len is the same 2048 tokens a step for the larger sizes: enough work per
 # step for 2 ranks without exhausting a small machine's memory at 124M parameters. Timeouts are
@@ -231,9 +250,6 @@ def parse_args(argv):
                                 epilog="sizes: " + ", ".join(SIZES))
     p.add_argument("build", type=Path, nargs="?", help="build directory with bin/cai and plugins")
     benchlib.add_job_options(p, pairs=5)
-    p.add_argument("--model", dest="kind", choices=("gpt2", "llama"))
-    p.add_argument("--n-kv-head", dest="n_kv_head", type=int)
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--strategies", default="ddp,zero1,zero2,zero2-offload,fsdp",
                    help="comma-separated, of " + ", ".join(STRATEGIES) +
                    ", each optionally with plugin keys set: BASE:key=value[:key=value...]")
@@ -260,20 +276,18 @@ def plan(args):
     if not strategies:
         sys.exit("run.py: --strategies names none; valid: " + ", ".join(STRATEGIES))
     notes = []
-    why_not = []
-    if args.kind != "gpt2":
-        why_not.append(f"bench/peers implement GPT-2 only, not {args.kind}")
-    if args.precision != "fp32":
-        why_not.append(f"bench/peers train in fp32 only, not {args.precision}")
+    wanted = dict.fromkeys(strategy(s)[2] for s in strategies)
     if args.peers is None:
-        peers = [] if why_not else list(dict.fromkeys(strategy(s)[2] for s in strategies))
+        peers = [p for p in wanted if not why_peer_cannot(p, args)]
+        why_not = [why_peer_cannot(p, args) for p in wanted if why_peer_cannot(p, args)]
     elif args.peers == "none":
-        peers = []
+        peers, why_not = [], []
     else:
-        peers = names(args.peers, PEERS, "peer")
-        if why_not:
-            sys.exit(f"run.py: no PyTorch peer can run this job ({'; '.join(why_not)}); "
-                     "leave --peers out to compare the strategies with each other")
+        peers, why_not = names(args.peers, PEERS, "peer"), []
+        refused = [why_peer_cannot(p, args) for p in peers if why_peer_cannot(p, args)]
+        if refused:
+            sys.exit(f"run.py: a PyTorch peer named by --peers cannot run this job "
+                     f"({'; '.join(refused)}); leave it out")
     refs = {}
     for s in strategies:
         peer, base = strategy(s)[2], s.split(":")[0]
@@ -281,14 +295,19 @@ def plan(args):
         fallback = base if base != s and base in strategies else strategies[0]
         refs[s] = peer if peer in peers else (fallback if s != fallback else None)
     if why_not:
-        notes.append(f"No PyTorch peer ran: {'; '.join(why_not)}. This is a cai-only comparison: "
-                     f"ratios are against cai's {strategies[0]} (a variant's against its "
-                     "base where that ran).")
+        notes.append(f"Not run: {'; '.join(why_not)}. The strategies they match are compared "
+                     f"with cai's {strategies[0]} (a variant's with its base where that ran).")
     else:
         unpaired = [s for s in strategies if refs[s] in strategies]
         if unpaired:
             notes.append(f"{', '.join(f'{s} compared with {refs[s]}' for s in unpaired)}: "
                          "--peers left out their PyTorch peer.")
+    if args.precision == "bf16" and peers:
+        notes.append("bf16: cai's strategies compute in bf16 over fp32 master weights (their "
+                     "measured bytes/step show what they communicate in); the PyTorch peers "
+                     "train under torch.autocast(\"cpu\", torch.bfloat16), PyTorch's mixed "
+                     "precision, with fp32 weights, gradients and optimizer state, so DDP "
+                     "reduces fp32 gradients (Gloo in 1.13 cannot reduce bf16).")
     if "zero2-offload" in strategies:
         notes.append("zero2-offload: over Gloo on the CPU the device and host tiers are the same "
                      "memory, so its RSS cannot drop; the row shows what the offload path costs.")
@@ -296,7 +315,7 @@ def plan(args):
         notes.append("fsdp is compared with torch-zero: PyTorch 1.13's FullyShardedDataParallel "
                      "refuses to run without CUDA.")
     for p in peers:
-        notes.append(f"{p}'s bytes/step are analytic: {PEERS[p][2]}.")
+        notes.append(f"{p}'s bytes/step are analytic: {PEERS[p].how}.")
     return strategies, peers, refs, notes
 
 
@@ -310,7 +329,7 @@ def run_candidate(build, args, work, pair, name):
 
 
 def run_peer(args, name):
-    script, bytes_per_step, how = PEERS[name]
+    script, bytes_per_step, how = PEERS[name][:3]
     result = benchlib.run_peer(args, benchlib.peer_command(args, script))
     return {"side": "peer", "tokens_per_s": result["tokens_per_s"],
             "peak_rss_bytes": result["peak_rss_bytes"],

@@ -1,11 +1,12 @@
 #!/usr/bin/python3
-"""The PyTorch peer torch-zero of bench/run.py and bench/fsdp_bench.py: GPT-2 under
+"""The PyTorch peer torch-zero of bench/run.py and bench/fsdp_bench.py: GPT-2 or Llama under
 DistributedDataParallel with torch.distributed.optim.ZeroRedundancyOptimizer (PyTorch's ZeRO-1:
 gradients all-reduced by DDP, AdamW state sharded by parameter across ranks, updated parameters
 broadcast from their owner), Gloo on CPU.
 
-The model is the one of bench/peers/ddp_gpt2_torch.py (cai's zoo GPT-2 written with the same
-ATen ops), imported from there; optimizer, clipping and batch as the cai job.
+The models are those of bench/peers/ddp_gpt2_torch.py (cai's zoo GPT-2 and Llama written with
+the same ATen ops), imported from there with its training loop and bf16 autocast; optimizer,
+clipping and batch as the cai job.
 
 Prints one JSON line from rank 0: tokens/s (global tokens per step over the median step time
 after the first step), each rank's peak RSS in bytes (getrusage ru_maxrss) and the model's
@@ -31,7 +32,7 @@ def zero_adamw(groups, args):
 
 
 def main():
-    p = peer.parser(__doc__.splitlines()[0])
+    p = peer.parser(__doc__.splitlines()[0], **peer.EVERY_JOB)
     p.add_argument("--parameters-as-bucket-view", dest="parameters_as_bucket_view",
                    action="store_true")
     peer.launch(p.parse_args(), zero_adamw, "torch_zero_redundancy_optimizer")

@@ -55,21 +55,28 @@ class RunPyTest(unittest.TestCase):
         self.assertEqual(run.pair_order(1, strategies, peers, refs),
                          ["zero1", "torch-zero", "fsdp", "ddp", "torch-ddp"])
 
-    def test_Plan_LlamaOrBf16_ComparesWithFirstStrategyAndSaysWhy(self):
-        for kind, precision in (("llama", "fp32"), ("gpt2", "bf16")):
-            args = argparse.Namespace(strategies="ddp,zero2", peers=None, kind=kind,
+    def test_Plan_LlamaOrBf16_DdpAndZeroPeersRunTheJobInBf16Autocast(self):
+        for kind, precision in (("llama", "fp32"), ("gpt2", "bf16"), ("llama", "bf16")):
+            args = argparse.Namespace(strategies="ddp,zero2,fsdp", peers=None, kind=kind,
                                       precision=precision)
             strategies, peers, refs, notes = run.plan(args)
-            self.assertEqual(peers, [])
-            self.assertEqual(refs, {"ddp": None, "zero2": "ddp"})
-            self.assertIn("cai-only comparison", notes[0])
+            self.assertEqual(peers, ["torch-ddp", "torch-zero"])
+            self.assertEqual(refs, {"ddp": "torch-ddp", "zero2": "torch-zero",
+                                    "fsdp": "torch-zero"})
+            self.assertEqual(any("torch.autocast" in n for n in notes), precision == "bf16")
 
-    def test_Plan_ExplicitPeerForLlama_Refused(self):
-        args = argparse.Namespace(strategies="ddp", peers="torch-ddp", kind="llama",
+    def test_Plan_PeerThatCannotRunTheJob_LeftOutWithWhyOrRefusedWhenNamed(self):
+        args = argparse.Namespace(strategies="ddp,tp2", peers=None, kind="llama",
                                   precision="fp32")
+        strategies, peers, refs, notes = run.plan(args)
+        self.assertEqual(peers, ["torch-ddp"])
+        self.assertEqual(refs, {"ddp": "torch-ddp", "tp2": "ddp"})
+        self.assertIn("Not run: torch-tp implements gpt2 only, not llama", notes[0])
+        args = argparse.Namespace(strategies="sp2", peers="torch-ulysses", kind="gpt2",
+                                  precision="bf16")
         with self.assertRaises(SystemExit) as e:
             run.plan(args)
-        self.assertIn("GPT-2 only", str(e.exception.code))
+        self.assertIn("torch-ulysses trains in fp32 only, not bf16", str(e.exception.code))
 
     def test_UnknownNames_ExitWithNearestAndValidOnes(self):
         with self.assertRaises(SystemExit) as e:

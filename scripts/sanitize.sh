@@ -6,9 +6,10 @@
 # malloc). Leaks are reported at exit of every instrumented process; the few that belong to
 # the uninstrumented libraries are listed, with why, in tests/sanitize/lsan.supp.
 # Left out: what runs no code of ours (the packaging test, which builds its own packages; the
-# out-of-tree SDK build; clang-format) and what repeats, for minutes, code paths that the tests
-# kept here already run (under ASan a training rank runs 3-4x slower: on a 2-core machine of
-# CI's kind the tests took 1845 s at -j2 with these, 1218 s without):
+# out-of-tree SDK build; clang-format; the benchmarks' PyTorch peers) and what repeats, for
+# minutes, code paths that the tests kept here already run (under ASan a training rank runs
+# 3-4x slower: on a 2-core machine of CI's kind the tests took 1845 s at -j2 with these, 1218 s
+# without):
 # - the default job's full training run; the 50 kills in saves;
 # - the resume matrix (every strategy's checkpoint under every other): each strategy's own
 #   checkpoint and resume tests write and read the same code;
@@ -41,7 +42,7 @@
 #   checkpoint of another strategy resumed under ddp, or a pp 2 checkpoint under dp 3 and fsdp
 #   (each strategy's own resume tests read the same layout).
 skip=(
-  'Train\.DefaultJob_LearnsBelowStatedLoss' 'Shards/KillInSave\..*' 'Style_.*'
+  'Train\.DefaultJob_LearnsBelowStatedLoss' 'Shards/KillInSave\..*' 'Style_.*' 'Bench_Peers_.*'
   'Sdk_ExamplePlugin_BuildsOutOfTree.*'
   'Savers/ResumeMatrix\..*'
   'Sdk_Conformance_(Ddp|Fsdp|Gemini|LowLevelZero|LocalSgd|HybridParallel)_.*'

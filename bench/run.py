@@ -276,15 +276,16 @@ def plan(args):
     if not strategies:
         sys.exit("run.py: --strategies names none; valid: " + ", ".join(STRATEGIES))
     notes = []
-    wanted = dict.fromkeys(strategy(s)[2] for s in strategies)
     if args.peers is None:
-        peers = [p for p in wanted if not why_peer_cannot(p, args)]
-        why_not = [why_peer_cannot(p, args) for p in wanted if why_peer_cannot(p, args)]
+        cannot = {p: why_peer_cannot(p, args) for p in dict.fromkeys(strategy(s)[2]
+                                                                     for s in strategies)}
+        peers = [p for p, why in cannot.items() if why is None]
+        why_not = [why for why in cannot.values() if why]
     elif args.peers == "none":
         peers, why_not = [], []
     else:
         peers, why_not = names(args.peers, PEERS, "peer"), []
-        refused = [why_peer_cannot(p, args) for p in peers if why_peer_cannot(p, args)]
+        refused = [why for why in (why_peer_cannot(p, args) for p in peers) if why]
         if refused:
             sys.exit(f"run.py: a PyTorch peer named by --peers cannot run this job "
                      f"({'; '.join(refused)}); leave it out")
@@ -329,12 +330,12 @@ def run_candidate(build, args, work, pair, name):
 
 
 def run_peer(args, name):
-    script, bytes_per_step, how = PEERS[name][:3]
-    result = benchlib.run_peer(args, benchlib.peer_command(args, script))
+    peer = PEERS[name]
+    result = benchlib.run_peer(args, benchlib.peer_command(args, peer.script))
     return {"side": "peer", "tokens_per_s": result["tokens_per_s"],
             "peak_rss_bytes": result["peak_rss_bytes"],
-            "bytes_per_step": bytes_per_step(args, result["params"]),
-            "bytes_basis": "analytic: " + how,
+            "bytes_per_step": peer.bytes_per_step(args, result["params"]),
+            "bytes_basis": "analytic: " + peer.how,
             "raw": result}
 
 

@@ -106,7 +106,8 @@ class RmsNorm(nn.Module):
 
     def forward(self, x):
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
 
 
 def rotate(x, cos, sin):

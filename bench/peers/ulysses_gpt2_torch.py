@@ -19,7 +19,6 @@ Run by bench/run.py with OMP_NUM_THREADS=1; by hand:
   OMP_NUM_THREADS=1 /usr/bin/python3 bench/peers/ulysses_gpt2_torch.py --nproc 2 --steps 12
 """
 import datetime
-import math
 import os
 import sys
 import time
@@ -84,11 +83,8 @@ class Block(peer.Block):
         per_rank = lambda y: y.reshape(b, n, self.heads // n, t, -1)
         packed = torch.cat([per_rank(q), per_rank(k), per_rank(v)], 2).reshape(b, -1, t, q.size(-1))
         q, k, v = SequenceToHeads.apply(packed).chunk(3, 1)
-        whole = q.size(2)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-        future = torch.ones(whole, whole, dtype=torch.bool).triu(1)
-        probs = torch.softmax(scores.masked_fill(future, float("-inf")), -1)
-        att = HeadsToSequence.apply(probs @ v).transpose(1, 2).contiguous().view(b, t, e)
+        att = HeadsToSequence.apply(peer.causal_attention(q, k, v))
+        att = att.transpose(1, 2).reshape(b, t, e)
         h = x + self.proj(att)
         return h + self.down(F.gelu(self.fc(self.ln_2(h)), approximate="tanh"))
 
@@ -97,10 +93,7 @@ class Gpt2(peer.Gpt2):
     def __init__(self, vocab, ctx, layers, heads, e):
         super().__init__(vocab, ctx, layers, heads, e)
         self.blocks = nn.ModuleList(Block(e, heads) for _ in range(layers))
-        for name, p in self.blocks.named_parameters():
-            if p.dim() >= 2:
-                residual = name.endswith(("proj.weight", "down.weight"))
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * layers) if residual else 0.02)
+        peer.init_normal(self.blocks, layers, ("proj.weight", "down.weight"))
 
     def forward(self, tokens):
         n, r = dist.get_world_size(), dist.get_rank()

@@ -179,10 +179,17 @@ def shapes(job):
     return {"ffn": 256 * ((8 * e // 3 + 255) // 256), "qkv": e + 2 * kv}
 
 
+FLOPS_FORMULA = "6·(Ψ − looked-up tables) + 12·layers·d·T"
+
+
 def flops_per_token(job, psi):
-    """Training FLOPs per token: 6Ψ for the weights' matmuls forward and backward, plus
-    attention's 12·layers·d·T (PaLM's appendix B; the formula cai train's MFU uses)."""
-    return 6 * psi + 12 * job.n_layer * job.n_embd * job.seq_len
+    """Training FLOPs per token: 6 per parameter that a matrix product reads, forward and
+    backward, plus attention's 12·layers·d·T (PaLM's appendix B). The tables only looked up
+    are left out of Ψ: GPT-2's positions (its token embedding is also the head's matrix) and
+    Llama's token embedding (its head is a matrix of its own); counting them put Llama's MFU
+    above 100% of the sgemm peak."""
+    lookups = job.n_ctx * job.n_embd if job.kind == "gpt2" else job.vocab_size * job.n_embd
+    return 6 * (psi - lookups) + 12 * job.n_layer * job.n_embd * job.seq_len
 
 
 def sgemm_peak(job):
@@ -474,7 +481,8 @@ def readme_section(result, results_path):
         f"- BLAS (cai rank 0): `{result['blas']}`.",
         f"- Matmul bound (bench/sgemm_peak.py, one thread, the model's matmul shapes in "
         f"{result['sgemm'][0].get('dtype', 'fp32')}, before and after the pairs): {peaks} "
-        f"GFLOP/s; MFU = {result['flops_per_token']:,} FLOPs/token (6Ψ + 12·layers·d·T) × "
+        f"GFLOP/s; MFU = {result['flops_per_token']:,} FLOPs/token "
+        f"({result.get('flops_formula', '6Ψ + 12·layers·d·T')}) × "
         f"tokens/s / (ranks × the higher).",
         f"- Job: {describe_job(result)}.",
         "",
@@ -562,6 +570,7 @@ def main():
         "blas": next(r["blas"] for r in runs if r["side"] == "cai"),
         "size": size, "job": job, "psi": psi, "pairs": args.pairs, "strategies": strategies,
         "peers": peers, "sgemm": sgemm, "flops_per_token": flops,
+        "flops_formula": FLOPS_FORMULA,
         "notes": notes, "plot": "plot.svg", "runs": runs,
         "summary": summarize(runs, strategies, peers, refs),
     }

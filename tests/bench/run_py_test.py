@@ -113,9 +113,15 @@ class RunPyTest(unittest.TestCase):
         args = run.parse_args(["build", "--size", "llama-100m", "--n-layer", "2"])
         self.assertEqual((args.kind, args.n_layer, args.n_kv_head), ("llama", 2, 4))
 
-    def test_FlopsPerToken_IsSixPsiPlusAttention(self):
+    def test_FlopsPerToken_IsSixPerMatmulParameterPlusAttention(self):
+        # GPT-2's positions are only looked up (its token embedding is the head's matrix too);
+        # Llama's token embedding is only looked up (its head is a matrix of its own).
         job = argparse.Namespace(**dict(run.SIZES["gpt2-tiny"], nproc=2))
-        self.assertEqual(run.flops_per_token(job, 842496), 6 * 842496 + 12 * 4 * 128 * 128)
+        self.assertEqual(run.flops_per_token(job, 842496),
+                         6 * (842496 - 128 * 128) + 12 * 4 * 128 * 128)
+        llama = argparse.Namespace(**run.SIZES["llama-100m"])
+        self.assertEqual(run.flops_per_token(llama, 99496704),
+                         6 * (99496704 - 32000 * 768) + 12 * 8 * 768 * 256)
         self.assertEqual(run.shapes(job), {"ffn": 512, "qkv": 384})
         llama = argparse.Namespace(kind="llama", n_embd=768, n_head=12, n_kv_head=4)
         self.assertEqual(run.shapes(llama), {"ffn": 2048, "qkv": 768 + 2 * 256})

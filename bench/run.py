@@ -187,7 +187,8 @@ def flops_per_token(job, psi):
     backward, plus attention's 12·layers·d·T (PaLM's appendix B). The tables only looked up
     are left out of Ψ: GPT-2's positions (its token embedding is also the head's matrix) and
     Llama's token embedding (its head is a matrix of its own); counting them put Llama's MFU
-    above 100% of the sgemm peak."""
+    above 100% of the sgemm peak. cai train counts the same (MatmulParams in
+    host/src/train/console.h)."""
     lookups = job.n_ctx * job.n_embd if job.kind == "gpt2" else job.vocab_size * job.n_embd
     return 6 * (psi - lookups) + 12 * job.n_layer * job.n_embd * job.seq_len
 

@@ -8,6 +8,7 @@
 #include <iomanip>
 #include <sstream>
 #include <string_view>
+#include <vector>
 
 #include "core/strings.h"
 #include "launch/local_launcher.h"
@@ -19,6 +20,20 @@ double ModelFlopsPerToken(int64_t params, int64_t n_layer, int64_t n_embd, int64
   return 6.0 * static_cast<double>(params) + 12.0 * static_cast<double>(n_layer) *
                                                  static_cast<double>(n_embd) *
                                                  static_cast<double>(seq_len);
+}
+
+int64_t MatmulParams(std::span<const cai_param_info> params, std::span<const cai_unit_info> units) {
+  std::vector<bool> read_by_a_unit(params.size(), false);
+  for (const cai_unit_info& unit : units) {
+    for (uint32_t k = 0; k < unit.num_reads; ++k) read_by_a_unit.at(unit.reads[k]) = true;
+  }
+  int64_t total = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const bool looked_up = params[i].role == CAI_ROLE_POS_EMBEDDING ||
+                           (params[i].role == CAI_ROLE_EMBEDDING && !read_by_a_unit[i]);
+    if (!looked_up) total += params[i].numel;
+  }
+  return total;
 }
 
 double ModelFlopsUtilization(double flops_per_token, double tokens_per_s, double peak_flops,
@@ -97,7 +112,8 @@ std::string FormatRunSummary(const RunSummary& s) {
       << "  model      " << s.model << "\n"
       << "  Ψ          " << s.params << " parameters (" << std::fixed << std::setprecision(2)
       << static_cast<double>(s.params) / 1e6 << "M); " << std::scientific << std::setprecision(3)
-      << s.flops_per_token << " FLOPs per token (6Ψ + 12·n_layer·n_embd·seq_len)\n";
+      << s.flops_per_token
+      << " FLOPs per token (6 per matmul parameter + 12·n_layer·n_embd·seq_len)\n";
   out << "  strategy   " << s.strategy;
   std::string options;
   std::istringstream table(s.strategy_options);

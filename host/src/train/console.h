@@ -5,15 +5,24 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <span>
 #include <string>
+
+#include "cai/model.h"
 
 namespace cai {
 
 // Model FLOPs of one trained token (forward and backward), PaLM's estimate (Chowdhery et al.
-// 2022, appendix B; also Megatron-LM's and nanoGPT's): 6Ψ for the matrix multiplies of Ψ
-// parameters, plus 12·n_layer·n_embd·seq_len for attention's scores and weighted sum. Pass
-// n_layer = 0 where the shape is unknown (a TorchScript model): 6Ψ alone.
+// 2022, appendix B; also Megatron-LM's and nanoGPT's): 6Ψ for the matrix multiplies of the Ψ
+// parameters they read (MatmulParams), plus 12·n_layer·n_embd·seq_len for attention's scores
+// and weighted sum. Pass n_layer = 0 where the shape is unknown (a TorchScript model): 6Ψ alone.
 double ModelFlopsPerToken(int64_t params, int64_t n_layer, int64_t n_embd, int64_t seq_len);
+
+// The Ψ of ModelFlopsPerToken: the elements of the parameters a matrix product reads. Tables
+// only looked up are left out: learned positions, and a token embedding that no unit reads as
+// its matrix (Llama's, whose head is a matrix of its own; GPT-2's head reads its embedding,
+// which therefore counts). Counting them put a Llama's MFU above the matmul peak.
+int64_t MatmulParams(std::span<const cai_param_info> params, std::span<const cai_unit_info> units);
 
 // Model FLOPs utilisation: the FLOP/s the tokens cost over what `world_size` devices of
 // `peak_flops` each could do. NaN when the peak is unknown (peak_flops <= 0).

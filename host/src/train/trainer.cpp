@@ -466,11 +466,15 @@ void Run::Setup() {
     if (init_on_host) ChargeFrameworkTo(&MemoryPool::Global());
   }
   const cai_config& m = *job_.model;
-  for (uint32_t i = 0; i < model_->NumParams(); ++i) params_ += model_->ParamInfo(i).numel;
+  std::vector<cai_param_info> infos;
+  for (uint32_t i = 0; i < model_->NumParams(); ++i) infos.push_back(model_->ParamInfo(i));
+  std::vector<cai_unit_info> units;
+  for (uint32_t u = 0; u < model_->NumUnits(); ++u) units.push_back(model_->UnitInfo(u));
+  for (const cai_param_info& info : infos) params_ += info.numel;
   // A TorchScript model's shape is not in [model]: its attention term is left out.
   const bool zoo = GetString(m, "kind") != "torchscript";
-  flops_per_token_ =
-      ModelFlopsPerToken(params_, zoo ? GetInt(m, "n_layer") : 0, GetInt(m, "n_embd"), seq_len_);
+  flops_per_token_ = ModelFlopsPerToken(MatmulParams(infos, units), zoo ? GetInt(m, "n_layer") : 0,
+                                        GetInt(m, "n_embd"), seq_len_);
   if (GetString(m, "kind") != "torchscript" && seq_len_ > GetInt(m, "n_ctx")) {
     throw Error(CAI_INVALID_ARGUMENT,
                 "train.seq_len = " + std::to_string(seq_len_) +

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "core/strings.h"
 #include "util/subprocess.h"
@@ -70,6 +71,27 @@ TEST(Console, Mfu_IsModelFlopsOverThePeakOfEveryRank) {
   EXPECT_DOUBLE_EQ(cai::ModelFlopsPerToken(1000, 0, 32, 64), 6000.0);
   EXPECT_DOUBLE_EQ(cai::ModelFlopsUtilization(1e6, 100, 1e9, 2), 0.05);
   EXPECT_TRUE(std::isnan(cai::ModelFlopsUtilization(1e6, 100, 0, 2)));
+}
+
+// Tables only looked up do not count: positions, and a token embedding no unit reads as its
+// matrix (an untied head); GPT-2's tied head reads its embedding, which then counts.
+TEST(Console, MatmulParams_LeaveOutTablesOnlyLookedUp) {
+  auto param = [](cai_param_role role, int64_t numel) {
+    cai_param_info info{};
+    info.role = role;
+    info.numel = numel;
+    return info;
+  };
+  const std::vector<cai_param_info> params = {
+      param(CAI_ROLE_EMBEDDING, 1000), param(CAI_ROLE_POS_EMBEDDING, 100),
+      param(CAI_ROLE_ATTN_QKV, 30), param(CAI_ROLE_NORM, 2), param(CAI_ROLE_LM_HEAD, 1000)};
+  const uint32_t embedding = 0;
+  cai_unit_info tied_head{};
+  tied_head.num_reads = 1;
+  tied_head.reads = &embedding;
+  EXPECT_EQ(cai::MatmulParams(params, std::vector<cai_unit_info>{tied_head}), 2032);
+  EXPECT_EQ(cai::MatmulParams(params, std::vector<cai_unit_info>{cai_unit_info{}}), 1032);
+  EXPECT_EQ(cai::MatmulParams(params, {}), 1032);
 }
 
 TEST(Console, RunSummary_FitsOnAScreenAndNamesTheResolvedConfiguration) {

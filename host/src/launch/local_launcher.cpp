@@ -1,12 +1,9 @@
 #include "launch/local_launcher.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -20,6 +17,7 @@
 
 #include "core/status.h"
 #include "core/strings.h"
+#include "launch/port_reservation.h"
 
 extern char** environ;
 
@@ -77,25 +75,6 @@ int ExitCodeFor(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return 1;
-}
-
-int FreePort(const std::string& addr) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw Error(CAI_UNAVAILABLE, std::string("socket: ") + std::strerror(errno));
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = 0;
-  if (::inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) sa.sin_addr.s_addr = INADDR_ANY;
-  socklen_t len = sizeof(sa);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0;
-  const int err = errno;
-  ::close(fd);
-  if (!ok) {
-    throw Error(CAI_UNAVAILABLE, "could not find a free port on " + addr + ": " +
-                                     std::strerror(err) + " (set launch.master_port)");
-  }
-  return ntohs(sa.sin_port);
 }
 
 std::string Unescape(std::string_view text) {
@@ -218,8 +197,8 @@ class Launcher {
       throw Error(CAI_INVALID_ARGUMENT,
                   "cannot run ranks from " + exe.string() + ": " + std::strerror(errno));
     }
-    const int port =
-        options_.master_port > 0 ? options_.master_port : FreePort(options_.master_addr);
+    if (options_.master_port <= 0) reserved_port_.emplace(options_.master_addr);
+    const int port = options_.master_port > 0 ? options_.master_port : reserved_port_->port();
     const std::string run_id = "local-" + std::to_string(::getpid()) + "-" +
                                std::to_string(Clock::now().time_since_epoch().count());
 
@@ -491,6 +470,8 @@ class Launcher {
   }
 
   const LaunchOptions& options_;
+  // Held until the ranks are reaped, so that no other job is handed the store's port.
+  std::optional<PortReservation> reserved_port_;
   RankConsole console_;
   std::vector<Child> children_;
   std::vector<std::pair<std::string, std::vector<int>>> rank_errors_;  // message, its ranks
@@ -598,7 +579,8 @@ int RunOrLaunch(const LaunchOptions& options, const std::function<int(const Rank
     RankEnv local;
     local.launcher = "local";
     local.master_addr = "127.0.0.1";
-    local.master_port = FreePort(local.master_addr);
+    const PortReservation port(local.master_addr);
+    local.master_port = port.port();
     local.run_id = "local-" + std::to_string(::getpid());
     return rank_main(local);
   }

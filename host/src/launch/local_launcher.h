@@ -91,7 +91,7 @@ struct LaunchOptions {
   // Set in every rank's environment on top of the launcher's own.
   std::vector<std::pair<std::string, std::string>> env;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;                     // 0: a port that is free on this machine now
+  int master_port = 0;                     // 0: a free port, held until the ranks end
   std::chrono::milliseconds grace{10000};  // from SIGTERM to SIGKILL
   LineSink sink;  // empty: a RankConsole on the launcher's stdout and stderr
 };

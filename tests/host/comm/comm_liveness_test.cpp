@@ -76,10 +76,10 @@ void AllReduce(HostTensor<float>& x, Outcome* outcome = nullptr) {
 // `victim` stops itself after the first all-reduce; the others' second all-reduce must fail
 // within 10 s naming it and the collective it was last in, whether or not it serves the store.
 void StoppedRankIsNamedWithin10s(int world, int victim) {
-  const int port = FreePort();
+  const launch::PortReservation port("127.0.0.1");
   std::vector<pid_t> pids;
   for (int rank = 0; rank < world; ++rank) {
-    pids.push_back(ForkRank({rank, world, port}, [victim](const RankContext& ctx) {
+    pids.push_back(ForkRank({rank, world, port.port()}, [victim](const RankContext& ctx) {
       Init(ctx, milliseconds(5000));
       HostTensor<float> x(1000, kF32);
       AllReduce(x);
@@ -132,10 +132,10 @@ TEST(CommLiveness, Comm_ThreeRanks_StoppedRank0_OthersFailWithin10sNamingIt) {
 
 // A killed rank resets its connections: a peer in a collective with it fails at once, naming it.
 TEST(CommLiveness, Comm_ThreeRanks_KilledRank_PeersInCollectiveFailAtOnceNamingIt) {
-  const int port = FreePort();
+  const launch::PortReservation port("127.0.0.1");
   std::vector<pid_t> pids;
   for (int rank = 0; rank < 3; ++rank) {
-    pids.push_back(ForkRank({rank, 3, port}, [](const RankContext& ctx) {
+    pids.push_back(ForkRank({rank, 3, port.port()}, [](const RankContext& ctx) {
       Init(ctx, milliseconds(5000));
       HostTensor<float> x(1000, kF32);
       AllReduce(x);
@@ -164,10 +164,10 @@ TEST(CommLiveness, Comm_ThreeRanks_KilledRank_PeersInCollectiveFailAtOnceNamingI
 // in a collective with rank 1 only, meets nothing but rank 1 hanging up. It must still name
 // rank 2, the first loss, which rank 1 published before closing its connections.
 TEST(CommLiveness, Comm_ThreeRanks_KilledRankSeenThroughAnotherRank_NamesTheFirstLoss) {
-  const int port = FreePort();
+  const launch::PortReservation port("127.0.0.1");
   std::vector<pid_t> pids;
   for (int rank = 0; rank < 3; ++rank) {
-    pids.push_back(ForkRank({rank, 3, port}, [](const RankContext& ctx) {
+    pids.push_back(ForkRank({rank, 3, port.port()}, [](const RankContext& ctx) {
       Init(ctx, milliseconds(5000));
       const int32_t low[] = {0, 1};
       const int32_t high[] = {1, 2};
@@ -208,7 +208,8 @@ TEST(CommLiveness, Comm_ThreeRanks_KilledRankSeenThroughAnotherRank_NamesTheFirs
 // collective is failing must find the communicator already aborted with the report, or it names
 // the peer that hung up on it. CI once caught the verdict's waiter woken between the two.
 TEST(CommLiveness, Liveness_VerdictFromAPeer_CheckVerdictReturnsOnlyOnceTheFailureWasActedOn) {
-  comm::Store store("127.0.0.1", FreePort(), /*is_server=*/true, seconds(10));
+  const launch::PortReservation port("127.0.0.1");
+  comm::Store store("127.0.0.1", port.port(), /*is_server=*/true, seconds(10));
   comm::LivenessOptions options;
   options.world_size = 2;
   options.interval = milliseconds(2000);

@@ -3,9 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,21 +19,9 @@
 #include "comm/comm_api.h"
 #include "comm/communicator.h"
 #include "core/status.h"
+#include "launch/port_reservation.h"
 
 namespace cai::test {
-
-inline int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 struct RankContext {
   int rank;
@@ -64,7 +50,8 @@ inline void RunRanks(int world_size, const std::function<void(const RankContext&
   if (started.empty()) {
     for (int r = 0; r < world_size; ++r) started.push_back(r);
   }
-  const int port = FreePort();
+  // Held until the ranks end, so that no test running alongside is handed the store's port.
+  const launch::PortReservation port("127.0.0.1");
   std::fflush(stdout);
   std::fflush(stderr);
   std::vector<pid_t> pids;
@@ -74,7 +61,7 @@ inline void RunRanks(int world_size, const std::function<void(const RankContext&
     if (pid == 0) {
       int code = 0;
       try {
-        body(RankContext{rank, world_size, port});
+        body(RankContext{rank, world_size, port.port()});
       } catch (const std::exception& e) {
         std::fprintf(stderr, "rank %d threw: %s\n", rank, e.what());
         code = 2;

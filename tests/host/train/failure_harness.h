@@ -4,10 +4,8 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,6 +18,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "launch/port_reservation.h"
 #include "train_run.h"
 
 extern char** environ;
@@ -37,18 +36,6 @@ struct RankProcess {
       << "missing: " << (needle) << "\nin:\n"                      \
       << (haystack)
 #endif
-
-inline int FreeLoopbackPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // The tiny GPT-2 job with ddp, run long (the test ends it), saving a checkpoint every 2 steps.
 inline void WriteJob(const std::filesystem::path& dir) {

@@ -40,10 +40,10 @@ fs::path SignalOneRank(const std::string& name, Launcher launcher, int victim, i
   const fs::path dir = fs::path(CAI_FAILURE_TEST_RUNS) / name;
   WriteJob(dir);
   const int world = 3;
-  const int port = FreeLoopbackPort();
+  const launch::PortReservation port("127.0.0.1");
   std::vector<RankProcess> ranks;
   for (int r = 0; r < world; ++r) {
-    ranks.push_back(StartRank({}, TrainArgs(dir), LauncherVars(launcher, r, world, port),
+    ranks.push_back(StartRank({}, TrainArgs(dir), LauncherVars(launcher, r, world, port.port()),
                               dir / ("rank-" + std::to_string(r) + ".out")));
   }
   WaitForCheckpoints(dir / "run", ranks, 2);

@@ -1,10 +1,7 @@
 // `cai train` as users run it: the reference learns, resume is exact, ranks join through every
 // launcher's variables, a dead rank ends the job, and bad input is refused clearly.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -18,6 +15,7 @@
 #include <vector>
 
 #include "checkpoint/rank_file.h"
+#include "launch/port_reservation.h"
 #include "util/subprocess.h"
 #include "util/temp_dir.h"
 
@@ -395,29 +393,6 @@ std::vector<Result> JoinAs(int ranks, const std::function<std::string(int)>& env
   return results;
 }
 
-// A port for a rendezvous store that the test's ranks open themselves. Taken below Linux's
-// ephemeral range (32768 and up), where the connections of tests running alongside cannot
-// take it between this probe and the store's bind, and probed so that a listener already
-// there is skipped.
-int FreePortForTest() {
-  static int next = 20000 + static_cast<int>(getpid() % 3000) * 4;
-  for (int tries = 0; tries < 1000; ++tries) {
-    const int port = 20000 + (next++ - 20000) % 12000;
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    const int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in sa{};
-    sa.sin_family = AF_INET;
-    sa.sin_port = htons(static_cast<uint16_t>(port));
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
-    close(fd);
-    if (free) return port;
-  }
-  ADD_FAILURE() << "no free port between 20000 and 32000";
-  return 0;
-}
-
 TEST(Train, JoinsThroughTorchrunSlurmAndOpenMpiVariables) {
   TempDir reference;
   ASSERT_EQ(
@@ -445,9 +420,9 @@ TEST(Train, JoinsThroughTorchrunSlurmAndOpenMpiVariables) {
   };
   for (const auto& [name, env] : styles) {
     TempDir dir;
-    const int port = FreePortForTest();
+    const cai::launch::PortReservation port("127.0.0.1");
     auto results = JoinAs(
-        2, [&](int r) { return env(r, port); },
+        2, [&](int r) { return env(r, port.port()); },
         std::string(TINY_JOB) + " --run-dir " + dir.str() +
             " --set plugin.name=hello_strategy --set train.steps=3 --set launch.timeout_s=60");
     for (int r = 0; r < 2; ++r) {

@@ -182,7 +182,7 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
       unmapped ? RoundUp(bytes, kDirectBlock) : RoundUp(SizeClass(bytes), align);
 
   cai_buffer* block = nullptr;
-  std::unordered_multimap<size_t, cai_buffer*> trimmed;
+  std::multimap<size_t, cai_buffer*> trimmed;
   {
     std::lock_guard lock(t.mu);
     TierUsage& u = t.usage;
@@ -201,13 +201,14 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
               ". Free buffers on this tier, offload to another tier, or raise the "
               "budget (memory.device_budget / host_budget, cai_mem_api.set_budget)");
     }
-    auto [first, last] =
-        unmapped ? std::pair{t.cached.end(), t.cached.end()} : t.cached.equal_range(capacity);
-    for (auto it = first; it != last; ++it) {
+    // Its own class first; failing that, the smallest cached block up to twice it, whose pages
+    // are resident already where a new block would fault in every one of them.
+    for (auto it = unmapped ? t.cached.end() : t.cached.lower_bound(capacity);
+         it != t.cached.end() && it->first <= 2 * capacity; ++it) {
       if (it->second->alignment >= align) {
         block = it->second;
         t.cached.erase(it);
-        u.cached_bytes -= capacity;
+        u.cached_bytes -= block->capacity;
         break;
       }
     }
@@ -217,7 +218,7 @@ cai_buffer* MemoryPool::Allocate(cai_mem_tier tier, size_t bytes, size_t alignme
       trimmed = TakeCached(t);
     }
     u.current_bytes += bytes;
-    t.live_capacity += capacity;
+    t.live_capacity += block ? block->capacity : capacity;
     t.max_live_capacity = std::max(t.max_live_capacity, t.live_capacity);
     u.peak_bytes = std::max(u.peak_bytes, u.current_bytes);
     u.total_peak_bytes = std::max(u.total_peak_bytes, u.current_bytes + u.framework_bytes);
@@ -267,12 +268,17 @@ void MemoryPool::Free(cai_buffer* buffer) {
     t.usage.current_bytes -= buffer->bytes;
     t.live_capacity -= buffer->capacity;
     --t.usage.num_allocations;
-    // Kept for reuse only while the blocks in use and cached together stay within the most
-    // ever in use: one block per size class and concurrent use, without a bound, holds the
-    // sum of every class's peak, which a strategy whose buffer sizes vary (ZeRO-3's chunks,
-    // staging of several sizes) sees grow step after step.
-    if (buffer->fd < 0 &&
-        t.live_capacity + t.usage.cached_bytes + buffer->capacity <= t.max_live_capacity) {
+    // Kept for reuse only while the blocks in use and cached together stay within an eighth
+    // above the most ever in use: one block per size class and concurrent use, without a
+    // bound, holds the sum of every class's peak, which a strategy whose buffer sizes vary
+    // (ZeRO-3's chunks, staging of several sizes) sees grow step after step. The eighth is
+    // room for blocks of other classes: with none, FSDP's mix of unit sizes sent blocks back
+    // every step, and each came back as fresh pages to fault in and zero (bench/README.md).
+    const uint64_t bound = t.max_live_capacity + t.max_live_capacity / 8;
+    const uint64_t held = t.usage.current_bytes + t.usage.framework_bytes;
+    if (buffer->fd < 0 && t.live_capacity + t.usage.cached_bytes + buffer->capacity <= bound &&
+        (t.usage.budget_bytes == 0 ||
+         held + t.usage.cached_bytes + buffer->capacity <= t.usage.budget_bytes)) {
       t.usage.cached_bytes += buffer->capacity;
       t.cached.emplace(buffer->capacity, buffer);
       return;
@@ -284,7 +290,7 @@ void MemoryPool::Free(cai_buffer* buffer) {
 
 void MemoryPool::SetBudget(cai_mem_tier tier, uint64_t bytes) {
   Tier& t = At(tier);
-  std::unordered_multimap<size_t, cai_buffer*> trimmed;
+  std::multimap<size_t, cai_buffer*> trimmed;
   {
     std::lock_guard lock(t.mu);
     TierUsage& u = t.usage;
@@ -340,7 +346,7 @@ void MemoryPool::UnchargeFramework(uint64_t bytes) {
 
 void MemoryPool::ReleaseCached(cai_mem_tier tier) {
   Tier& t = At(tier);
-  std::unordered_multimap<size_t, cai_buffer*> trimmed;
+  std::multimap<size_t, cai_buffer*> trimmed;
   {
     std::lock_guard lock(t.mu);
     trimmed = TakeCached(t);
@@ -351,7 +357,7 @@ void MemoryPool::ReleaseCached(cai_mem_tier tier) {
   }
 }
 
-std::unordered_multimap<size_t, cai_buffer*> MemoryPool::TakeCached(Tier& t) {
+std::multimap<size_t, cai_buffer*> MemoryPool::TakeCached(Tier& t) {
   t.usage.cached_bytes = 0;
   return std::exchange(t.cached, {});
 }
@@ -391,7 +397,10 @@ void MemoryPool::SetHostReclaimer(HostReclaimer reclaimer) { g_host_reclaimer = 
 
 void* MemoryPool::MapBlock(cai_mem_tier tier, size_t capacity, size_t alignment) {
   if (tier != CAI_MEM_NVME) {
-    if (HostReclaimer reclaim = g_host_reclaimer.load()) reclaim(capacity);
+    // Below kMappedMin a block comes from glibc's heap, whose free space covers it.
+    if (HostReclaimer reclaim = g_host_reclaimer.load(); reclaim && Mapped(capacity, alignment)) {
+      reclaim(capacity);
+    }
     void* data = nullptr;
     if (Mapped(capacity, alignment)) {
       data = MapHostPages(capacity);

@@ -11,11 +11,12 @@
 //
 // Accounting: current_bytes counts the bytes callers asked for; a budget limits current_bytes.
 // Freed blocks are cached by size class (rounded up by at most 1/8, and at most 2 MiB) and
-// handed out again for requests of the same class; cached bytes are reported apart and are
-// returned to the system when a tier with a budget would otherwise hold more than its budget.
-// A freed block is cached only while the tier's blocks in use and cached together stay within
-// the most it ever had in use (else it goes back to the system at once), so the cache never
-// makes a tier hold more than its peak.
+// handed out again for requests of the same class or, with none cached, of a class up to half
+// theirs; cached bytes are reported apart and are returned to the system when a tier with a
+// budget would otherwise hold more than its budget. A freed block is cached only while the
+// tier's blocks in use and cached together stay within an eighth above the most it ever had in
+// use (else it goes back to the system at once), so the cache never makes a tier hold much
+// more than its peak.
 //
 // The DEVICE tier's budget also covers what LibTorch allocates on the device for itself
 // (activations, temporaries, the model's own tensors), charged through ChargeFramework by the
@@ -28,11 +29,11 @@
 #include <cstdint>
 #include <functional>
 #include <future>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 
 #include "cai/mempool.h"
 
@@ -142,15 +143,15 @@ class MemoryPool {
   struct Tier {
     mutable std::mutex mu;
     TierUsage usage;
-    std::unordered_multimap<size_t, cai_buffer*> cached;  // by capacity
-    uint64_t live_capacity = 0;                           // capacity of the blocks in use
-    uint64_t max_live_capacity = 0;  // the most it ever was (reset_peak leaves it)
+    std::multimap<size_t, cai_buffer*> cached;  // by capacity
+    uint64_t live_capacity = 0;                 // capacity of the blocks in use
+    uint64_t max_live_capacity = 0;             // the most it ever was (reset_peak leaves it)
   };
 
   Tier& At(cai_mem_tier tier);
   const Tier& At(cai_mem_tier tier) const;
   // Takes the cached blocks out of `t` (whose lock the caller holds) for release outside it.
-  static std::unordered_multimap<size_t, cai_buffer*> TakeCached(Tier& t);
+  static std::multimap<size_t, cai_buffer*> TakeCached(Tier& t);
   void* MapBlock(cai_mem_tier tier, size_t capacity, size_t alignment);
   static void UnmapBlock(const cai_buffer& block);
 

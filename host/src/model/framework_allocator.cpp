@@ -263,6 +263,15 @@ uint64_t TrimFrameworkCache(uint64_t bytes) {
   {
     Cache& cache = TheCache();
     std::lock_guard lock(cache.mutex);
+    // The smallest block that covers the request alone: giving back the largest first, a 1 MiB
+    // request of the pool took the 200 MB logits buffer, which the next step faulted in again.
+    for (auto it = cache.free.lower_bound(bytes); it != cache.free.end(); ++it) {
+      if (it->second.empty()) continue;
+      released.push_back(it->second.back());
+      it->second.pop_back();
+      freed = it->first;
+      break;
+    }
     for (auto it = cache.free.rbegin(); it != cache.free.rend() && freed < bytes; ++it) {
       auto& bases = it->second;
       while (!bases.empty() && freed < bytes) {

@@ -46,8 +46,9 @@ bool FrameworkAllocatorInstalled();
 void SetFrameworkCaching(bool enabled);
 // Returns the cached blocks to LibTorch's allocator; the bytes given back.
 uint64_t EmptyFrameworkCache();
-// Returns cached blocks, largest first, until at least `bytes` are given back or none are
-// left; the bytes given back. For the memory pool, before it takes memory of its own.
+// Returns the smallest cached block of at least `bytes`; with none that large, cached blocks,
+// largest first, until at least `bytes` are given back or none are left. Returns the bytes
+// given back. For the memory pool, before it takes memory of its own.
 uint64_t TrimFrameworkCache(uint64_t bytes);
 
 // From now on, allocations are charged to `pool`'s DEVICE tier (nullptr: to none). Blocks

@@ -158,6 +158,78 @@ TEST(MemPool, FreedBlocks_AreCachedOnlyWithinTheTiersPeak) {
   pool.ReleaseCached(CAI_MEM_HOST);
 }
 
+// FSDP's units differ in size: a request whose class is not cached takes a cached block up to
+// twice it, already paged in, instead of faulting in a new one.
+TEST(MemPool, RequestWithoutItsClassCached_TakesACachedBlockUpToTwiceIt) {
+  MemoryPool pool;
+  cai_buffer* a = pool.Allocate(CAI_MEM_HOST, 3 << 20);
+  void* address = a->data;
+  pool.Free(a);
+  cai_buffer* b = pool.Allocate(CAI_MEM_HOST, 2 << 20);  // 3 MiB <= 2 x 2 MiB
+  EXPECT_EQ(b->data, address);
+  EXPECT_EQ(b->capacity, size_t{3} << 20);
+  EXPECT_EQ(b->bytes, size_t{2} << 20);
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).cached_bytes, 0u);
+  pool.Free(b);
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).cached_bytes, 3u << 20);
+  cai_buffer* c = pool.Allocate(CAI_MEM_HOST, 1 << 20);  // 3 MiB > 2 x 1 MiB: fresh memory
+  EXPECT_NE(c->data, address);
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).cached_bytes, 3u << 20);
+  pool.Free(c);
+  pool.ReleaseCached(CAI_MEM_HOST);
+}
+
+// Room of an eighth above the peak for blocks of other classes, and no more.
+TEST(MemPool, FreedBlocks_AreCachedWithinAnEighthAboveTheTiersPeak) {
+  MemoryPool pool;
+  pool.Free(pool.Allocate(CAI_MEM_HOST, 8 << 20));  // the peak: 8 MiB
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).cached_bytes, 8u << 20);
+  pool.Free(pool.Allocate(CAI_MEM_HOST, 1 << 20));  // 8 + 1 <= 8 + 8/8: kept
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).cached_bytes, 9u << 20);
+  pool.Free(pool.Allocate(CAI_MEM_HOST, 2 << 20));  // 9 + 2 > 9: given back
+  EXPECT_EQ(pool.Usage(CAI_MEM_HOST).cached_bytes, 9u << 20);
+  pool.ReleaseCached(CAI_MEM_HOST);
+}
+
+// A freed block is not kept where it would take what the tier holds, LibTorch's tensors
+// included, past its budget: here its size class holds more than the bytes it was charged.
+TEST(MemPool, FreedBlock_IsNotCachedPastTheBudget) {
+  MemoryPool pool;
+  constexpr uint64_t kMiB = 1 << 20;
+  pool.SetBudget(CAI_MEM_DEVICE, 10 * kMiB);
+  cai_buffer* a = pool.Allocate(CAI_MEM_DEVICE, kMiB + 1);  // a class of 1.125 MiB
+  ASSERT_EQ(a->capacity, kMiB + kMiB / 8);
+  ASSERT_TRUE(pool.TryChargeFramework(9 * kMiB - 1));  // the budget, to the byte
+  pool.Free(a);
+  EXPECT_EQ(pool.Usage(CAI_MEM_DEVICE).cached_bytes, 0u);
+  pool.UnchargeFramework(9 * kMiB - 1);
+  pool.Free(pool.Allocate(CAI_MEM_DEVICE, kMiB + 1));  // with room, kept
+  EXPECT_EQ(pool.Usage(CAI_MEM_DEVICE).cached_bytes, kMiB + kMiB / 8);
+  pool.ReleaseCached(CAI_MEM_DEVICE);
+}
+
+// The reclaimer (LibTorch's cache gives back memory) runs only for blocks the pool maps from
+// the kernel, not for the small ones glibc's heap serves, and not for a block served cached.
+uint64_t g_reclaimed = 0;
+int g_reclaims = 0;
+TEST(MemPool, HostReclaimer_RunsOnlyBeforeMappingALargeBlock) {
+  MemoryPool::SetHostReclaimer([](uint64_t bytes) {
+    ++g_reclaims;
+    g_reclaimed += bytes;
+    return uint64_t{0};
+  });
+  MemoryPool pool;
+  pool.Free(pool.Allocate(CAI_MEM_HOST, 640));
+  EXPECT_EQ(g_reclaims, 0);
+  pool.Free(pool.Allocate(CAI_MEM_HOST, 2 << 20));
+  EXPECT_EQ(g_reclaims, 1);
+  EXPECT_EQ(g_reclaimed, 2u << 20);
+  pool.Free(pool.Allocate(CAI_MEM_HOST, 2 << 20));  // the cached block
+  EXPECT_EQ(g_reclaims, 1);
+  MemoryPool::SetHostReclaimer(nullptr);
+  pool.ReleaseCached(CAI_MEM_HOST);
+}
+
 TEST(MemPool, CachedBlocks_AreReleasedRatherThanExceedBudget) {
   MemoryPool pool;
   pool.SetBudget(CAI_MEM_DEVICE, 4 << 20);

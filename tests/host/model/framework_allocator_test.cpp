@@ -96,17 +96,19 @@ TEST(FrameworkAllocator, FreedLargeBlock_IsReusedBySameSizeClassWithinTheMostEve
   const FrameworkMemory two = FrameworkMemoryUsage();
   EXPECT_LE(two.current_bytes + two.cached_bytes, two.max_bytes + two.max_bytes / 8);
 
-  // Trimming gives back the largest blocks first, at least what was asked for.
+  // Trimming gives back the smallest block that covers the request; with none that large,
+  // the largest first until what was asked for is given back.
   {
     torch::Tensor a = torch::empty({kElements}, torch::kFloat);      // 12 MiB
     torch::Tensor b = torch::empty({kElements / 4}, torch::kFloat);  // 3 MiB
   }
   const uint64_t before_trim = FrameworkMemoryUsage().cached_bytes;
   ASSERT_GE(before_trim, 15 * (uint64_t{1} << 20));
-  EXPECT_GE(TrimFrameworkCache(1), uint64_t{12} << 20);
-  EXPECT_LE(FrameworkMemoryUsage().cached_bytes, before_trim - (uint64_t{12} << 20));
+  EXPECT_EQ(TrimFrameworkCache(1), uint64_t{3} << 20);
+  EXPECT_EQ(TrimFrameworkCache(uint64_t{4} << 20), uint64_t{12} << 20);
+  EXPECT_EQ(FrameworkMemoryUsage().cached_bytes, before_trim - (uint64_t{15} << 20));
   const uint64_t cached = FrameworkMemoryUsage().cached_bytes;
-  EXPECT_EQ(EmptyFrameworkCache(), cached);
+  EXPECT_EQ(TrimFrameworkCache(cached + 1), cached);  // none covers it: all of them
   EXPECT_EQ(FrameworkMemoryUsage().cached_bytes, 0u);
   SetFrameworkCaching(false);
   { torch::Tensor t = torch::ones({kElements}, torch::kFloat); }

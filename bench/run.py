@@ -17,13 +17,18 @@ torch-ddp and torch-zero train GPT-2 or Llama in fp32 or bf16 (autocast); torch-
 torch-ulysses GPT-2 in fp32 only. A strategy whose peer cannot run the job is compared with the
 first of --strategies instead, and the report says so.
 
+With --baseline OTHER_BUILD (a build of the commit before a change, say) every strategy also
+runs on that build in every pair, right before or after its run on BUILD_DIR (which goes first
+alternates by pair), and is compared with it: the figures of a change, before and after.
+
 Writes OUT/results.json (the job, the machine, every run's raw figures, the summary) and
 OUT/plot.svg (gnuplot); --write-readme, or --readme RESULTS.json alone, regenerates the section
 of bench/README.md between its run.py markers.
 
 usage: bench/run.py BUILD_DIR [--size gpt2-30m] [--strategies ddp,zero2] [--peers torch-ddp]
                     [--precision fp32|bf16] [--pairs 5] [--steps 12] [--out DIR]
-                    [--n-layer N --n-embd N ...] [--write-readme]
+                    [--n-layer N --n-embd N ...] [--baseline OTHER_BUILD
+                    [--baseline-label TEXT]] [--write-readme]
        bench/run.py --readme RESULTS.json
 """
 import argparse
@@ -143,11 +148,14 @@ NEW = "<!-- run.py:new -->"
 
 
 def section(result):
-    """The job a README section is about: size and precision, and the plugin keys a sweep of
-    variants set (so a sweep does not replace the job's own section)."""
+    """The job a README section is about: size and precision, the plugin keys a sweep of
+    variants set and the baseline build a change is compared with (so that neither replaces
+    the job's own section)."""
     swept = variants(result["strategies"])
+    baseline = result.get("baseline")
     return (f"{result['size']} {result['job']['precision']}" +
-            (f" sweep of {','.join(swept)}" if swept else ""))
+            (f" sweep of {','.join(swept)}" if swept else "") +
+            (f" against {baseline['label']}" if baseline else ""))
 
 
 def markers(result):
@@ -204,6 +212,14 @@ def sgemm_peak(job):
     out = subprocess.run(cmd, env=benchlib.environment(), check=True, capture_output=True,
                          text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+BASELINE = "@baseline"
+
+
+def on_baseline(name):
+    """(the strategy, whether this run of it is on --baseline's build) of a run's name."""
+    return (name[:-len(BASELINE)], True) if name.endswith(BASELINE) else (name, False)
 
 
 def strategy(name):
@@ -263,6 +279,12 @@ def parse_args(argv):
                    ", each optionally with plugin keys set: BASE:key=value[:key=value...]")
     p.add_argument("--peers", help="comma-separated, of " + ", ".join(PEERS) +
                    ", or none (default: the strategies' peers when they can run the job)")
+    p.add_argument("--baseline", type=Path, metavar="OTHER_BUILD",
+                   help="a second build directory: each strategy also runs on it, next to its "
+                   "run on BUILD_DIR in every pair, and is compared with that run; no PyTorch "
+                   "peer runs unless --peers names one")
+    p.add_argument("--baseline-label", metavar="TEXT",
+                   help="what the baseline build is, for the report (default: its directory)")
     p.add_argument("--out", type=Path, default=benchlib.HERE / "results",
                    help="where results.json and plot.svg go")
     p.add_argument("--write-readme", action="store_true",
@@ -275,6 +297,10 @@ def parse_args(argv):
         p.error("BUILD_DIR is needed unless --readme RESULTS.json is given")
     if args.pairs < 1:
         p.error("--pairs must be at least 1")
+    if args.baseline_label and not args.baseline:
+        p.error("--baseline-label needs --baseline")
+    if args.baseline:
+        args.baseline_label = args.baseline_label or args.baseline.resolve().name
     return args
 
 
@@ -284,6 +310,9 @@ def plan(args):
     if not strategies:
         sys.exit("run.py: --strategies names none; valid: " + ", ".join(STRATEGIES))
     notes = []
+    baseline = getattr(args, "baseline", None)
+    if baseline and args.peers is None:
+        args.peers = "none"
     if args.peers is None:
         cannot = {p: why_peer_cannot(p, args) for p in dict.fromkeys(strategy(s)[2]
                                                                      for s in strategies)}
@@ -303,7 +332,13 @@ def plan(args):
         # Without its peer a variant is compared with its base strategy where that ran too.
         fallback = base if base != s and base in strategies else strategies[0]
         refs[s] = peer if peer in peers else (fallback if s != fallback else None)
-    if why_not:
+        if baseline:
+            refs[s] = s + BASELINE
+    if baseline:
+        notes.append(f"Each strategy is compared with itself run on the baseline build "
+                     f"({args.baseline_label}, the rows named {BASELINE}) in the same pair; "
+                     f"which of the two ran first alternates by pair.")
+    elif why_not:
         notes.append(f"Not run: {'; '.join(why_not)}. The strategies they match are compared "
                      f"with cai's {strategies[0]} (a variant's with its base where that ran).")
     else:
@@ -329,10 +364,11 @@ def plan(args):
 
 
 def run_candidate(build, args, work, pair, name):
-    plugin, options, _ = strategy(name)
+    plugin, options, _ = strategy(on_baseline(name)[0])
     table = f"\n[plugin.{plugin}]\n{options}"
     run_dir = work / f"pair{pair + 1}-{name.replace(':', '-').replace('=', '-')}"
-    summary = benchlib.run_cai(build, args, run_dir, plugin, table, job_sets(name))
+    summary = benchlib.run_cai(build, args, run_dir, plugin, table,
+                               job_sets(on_baseline(name)[0]))
     figures = benchlib.cai_figures(summary)
     return dict(figures, side="cai", bytes_basis="measured", raw=summary)
 
@@ -349,10 +385,14 @@ def run_peer(args, name):
 
 def pair_order(pair, strategies, peers, refs):
     """The runs of one pair: candidates rotated by the pair's index, each matching peer right
-    after its first candidate, peers that match none last."""
+    after its first candidate, peers that match none last; a candidate compared with its run on
+    the baseline build goes right before that run in even pairs and right after it in odd ones."""
     k = pair % len(strategies)
     order = []
     for s in strategies[k:] + strategies[:k]:
+        if refs[s] == s + BASELINE:
+            order += [s, refs[s]] if pair % 2 == 0 else [refs[s], s]
+            continue
         order.append(s)
         if refs[s] in peers and refs[s] not in order:
             order.append(refs[s])
@@ -528,9 +568,12 @@ def main():
         return
     build = args.build.resolve()
     strategies, peers, refs, notes = plan(args)
-    for plugin in {strategy(s)[0] for s in strategies}:
-        if not (build / "lib" / "cai" / "plugins" / f"{plugin}.toml").is_file():
-            sys.exit(f"run.py: {build} has no lib/cai/plugins/{plugin}.toml; build it first")
+    baselines = [refs[s] for s in strategies if refs[s] == s + BASELINE]
+    builds = [build] + ([args.baseline.resolve()] if args.baseline else [])
+    for b in builds:
+        for plugin in {strategy(s)[0] for s in strategies}:
+            if not (b / "lib" / "cai" / "plugins" / f"{plugin}.toml").is_file():
+                sys.exit(f"run.py: {b} has no lib/cai/plugins/{plugin}.toml; build it first")
     job = {k: getattr(args, k) for k in ("kind", "vocab_size", "n_ctx", "n_layer", "n_head",
                                          "n_kv_head", "n_embd", "global_batch", "seq_len",
                                          "steps", "precision", "nproc")}
@@ -546,8 +589,9 @@ def main():
     with tempfile.TemporaryDirectory(prefix="run_py_") as tmp:
         for pair in range(args.pairs):
             for name in pair_order(pair, strategies, peers, refs):
-                r = (run_candidate(build, args, Path(tmp), pair, name) if is_strategy(name)
-                     else run_peer(args, name))
+                base, baseline = on_baseline(name)
+                r = (run_candidate(builds[baseline], args, Path(tmp), pair, name)
+                     if is_strategy(base) else run_peer(args, name))
                 runs.append(dict(r, pair=pair, name=name))
                 print(f"pair {pair + 1}  {name:14} {r['tokens_per_s']:9.0f} tokens/s "
                       f"{r['peak_rss_bytes'] / MIB:8.1f} MiB {r['bytes_per_step']:12.0f} B/step",
@@ -571,9 +615,11 @@ def main():
         "blas": next(r["blas"] for r in runs if r["side"] == "cai"),
         "size": size, "job": job, "psi": psi, "pairs": args.pairs, "strategies": strategies,
         "peers": peers, "sgemm": sgemm, "flops_per_token": flops,
+        "baseline": ({"build": str(args.baseline), "label": args.baseline_label}
+                     if args.baseline else None),
         "flops_formula": FLOPS_FORMULA,
         "notes": notes, "plot": "plot.svg", "runs": runs,
-        "summary": summarize(runs, strategies, peers, refs),
+        "summary": summarize(runs, strategies + baselines, peers, refs),
     }
     results_path = args.out / "results.json"
     results_path.write_text(json.dumps(result, indent=1) + "\n")

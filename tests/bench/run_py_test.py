@@ -55,6 +55,36 @@ class RunPyTest(unittest.TestCase):
         self.assertEqual(run.pair_order(1, strategies, peers, refs),
                          ["zero1", "torch-zero", "fsdp", "ddp", "torch-ddp"])
 
+    def test_Baseline_EachStrategyNextToItsRunOnTheOtherBuildWhichGoesFirstInOddPairs(self):
+        args = argparse.Namespace(strategies="ddp,fsdp", peers=None, kind="gpt2",
+                                  precision="bf16", baseline=Path("/tmp/before"),
+                                  baseline_label="before")
+        strategies, peers, refs, notes = run.plan(args)
+        self.assertEqual(peers, [])
+        self.assertEqual(refs, {"ddp": "ddp@baseline", "fsdp": "fsdp@baseline"})
+        self.assertIn("baseline build (before", notes[0])
+        self.assertEqual(run.pair_order(0, strategies, peers, refs),
+                         ["ddp", "ddp@baseline", "fsdp", "fsdp@baseline"])
+        self.assertEqual(run.pair_order(1, strategies, peers, refs),
+                         ["fsdp@baseline", "fsdp", "ddp@baseline", "ddp"])
+        self.assertEqual(run.on_baseline("fsdp:bucket=2@baseline"), ("fsdp:bucket=2", True))
+        runs = []
+        for pair, (after, before) in enumerate(((110, 100), (90, 100), (150, 100))):
+            runs += [fake_run(pair, "ddp", after, 200), fake_run(pair, "ddp@baseline", before, 100)]
+        result = result_of(runs, ["ddp", "ddp@baseline"], [], refs)
+        after, before = result["summary"]
+        self.assertEqual(after["reference"], "ddp@baseline")
+        self.assertEqual(after["ratio_tokens_per_s"], {"median": 1.1, "min": 0.9, "max": 1.5})
+        self.assertEqual(after["ratio_peak_rss"]["median"], 2.0)
+        self.assertIsNone(before["reference"])
+        # Its README section is its own, not the job's.
+        result["baseline"] = {"build": "/tmp/before", "label": "before"}
+        self.assertEqual(run.section(result), "gpt2-tiny fp32 against before")
+        self.assertNotEqual(run.markers(result), run.markers(dict(result, baseline=None)))
+        with self.assertRaises(SystemExit):
+            with redirect_stderr(io.StringIO()):
+                run.parse_args(["build", "--baseline-label", "x"])
+
     def test_Plan_LlamaOrBf16_DdpAndZeroPeersRunTheJobInBf16Autocast(self):
         for kind, precision in (("llama", "fp32"), ("gpt2", "bf16"), ("llama", "bf16")):
             args = argparse.Namespace(strategies="ddp,zero2,fsdp", peers=None, kind=kind,

@@ -68,11 +68,13 @@ size_t SizeClass(size_t bytes) {
 // every step allocates the same activation buffers, and memory handed back to the kernel is
 // page-faulted in again on the next step (on a virtual machine, where a fault costs
 // microseconds, a third of a rank's time). The cache keeps a block only while the blocks
-// live and cached together stay within an eighth above the most ever live at once, so the
-// process never holds much more than it did at its peak without the cache. The eighth is room
-// for the blocks of other classes it holds: with none, a step's mix of classes sent a few
+// live and cached together stay within a quarter above the most ever live at once, so the
+// process never holds much more than it did at its peak without the cache. The quarter is
+// room for the blocks of other classes it holds: with none, a step's mix of classes sent a few
 // blocks back to the kernel and faulted them in again every step (a 0.84M-parameter DDP job
-// took twice the page faults).
+// took twice the page faults); with an eighth, ZeRO-2 at 30M parameters in bf16 sent back the
+// 208 MiB softmax of its 50,304-word vocabulary twice a step, while the 2-6 MiB blocks of the
+// backward pass filled the room (bench/README.md).
 struct Cache {
   std::mutex mutex;
   std::map<size_t, std::vector<char*>> free;  // size class -> headers of free blocks
@@ -136,7 +138,7 @@ void Delete(void* data) {
     Cache& cache = TheCache();
     std::lock_guard lock(cache.mutex);
     const uint64_t most = g_max.load(std::memory_order_relaxed);
-    if (cache.enabled && live + cache.cached_bytes + bytes <= most + most / 8) {
+    if (cache.enabled && live + cache.cached_bytes + bytes <= most + most / 4) {
       cache.free[bytes].push_back(base);
       cache.cached_bytes += bytes;
       return;

@@ -11,7 +11,7 @@
 // per power of two), as PyTorch caches device memory, so a step does not page-fault in again
 // the activation buffers the last step freed; without a DEVICE budget a request may take a
 // cached block of up to twice its class. The cache never makes the live and cached bytes together
-// exceed the most that was ever live by more than an eighth, and is emptied before an allocation
+// exceed the most that was ever live by more than a quarter, and is emptied before an allocation
 // fails. These blocks come from the kernel, not from glibc's heap, so a block the cache does not
 // keep goes back to it.
 //
@@ -33,7 +33,7 @@ struct FrameworkMemory {
   uint64_t peak_bytes = 0;     // the most live at once since install or ResetFrameworkPeak
   uint64_t cached_bytes = 0;   // freed, kept for reuse (not in current_bytes)
   uint64_t max_bytes = 0;      // the most live at once since install (the cache's limit
-                               // is an eighth above it)
+                               // is a quarter above it)
 };
 
 // Puts the counting allocator in front of LibTorch's CPU allocator, once per process (later

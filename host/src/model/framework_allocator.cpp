@@ -265,8 +265,8 @@ uint64_t TrimFrameworkCache(uint64_t bytes) {
   {
     Cache& cache = TheCache();
     std::lock_guard lock(cache.mutex);
-    // The smallest block that covers the request alone: giving back the largest first, a 1 MiB
-    // request of the pool took the 200 MB logits buffer, which the next step faulted in again.
+    // The smallest block that covers the request alone: giving back the largest first, FSDP's
+    // 3.5 MiB gather buffers took the 208 MiB softmax, which the next step faulted in again.
     for (auto it = cache.free.lower_bound(bytes); it != cache.free.end(); ++it) {
       if (it->second.empty()) continue;
       released.push_back(it->second.back());

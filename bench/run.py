@@ -311,17 +311,16 @@ def plan(args):
         sys.exit("run.py: --strategies names none; valid: " + ", ".join(STRATEGIES))
     notes = []
     baseline = getattr(args, "baseline", None)
-    if baseline and args.peers is None:
-        args.peers = "none"
-    if args.peers is None:
+    named = "none" if baseline and args.peers is None else args.peers
+    if named is None:
         cannot = {p: why_peer_cannot(p, args) for p in dict.fromkeys(strategy(s)[2]
                                                                      for s in strategies)}
         peers = [p for p, why in cannot.items() if why is None]
         why_not = [why for why in cannot.values() if why]
-    elif args.peers == "none":
+    elif named == "none":
         peers, why_not = [], []
     else:
-        peers, why_not = names(args.peers, PEERS, "peer"), []
+        peers, why_not = names(named, PEERS, "peer"), []
         refused = [why for why in (why_peer_cannot(p, args) for p in peers) if why]
         if refused:
             sys.exit(f"run.py: a PyTorch peer named by --peers cannot run this job "
@@ -364,11 +363,11 @@ def plan(args):
 
 
 def run_candidate(build, args, work, pair, name):
-    plugin, options, _ = strategy(on_baseline(name)[0])
+    base = on_baseline(name)[0]
+    plugin, options, _ = strategy(base)
     table = f"\n[plugin.{plugin}]\n{options}"
     run_dir = work / f"pair{pair + 1}-{name.replace(':', '-').replace('=', '-')}"
-    summary = benchlib.run_cai(build, args, run_dir, plugin, table,
-                               job_sets(on_baseline(name)[0]))
+    summary = benchlib.run_cai(build, args, run_dir, plugin, table, job_sets(base))
     figures = benchlib.cai_figures(summary)
     return dict(figures, side="cai", bytes_basis="measured", raw=summary)
 

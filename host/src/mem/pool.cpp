@@ -397,12 +397,11 @@ void MemoryPool::SetHostReclaimer(HostReclaimer reclaimer) { g_host_reclaimer = 
 
 void* MemoryPool::MapBlock(cai_mem_tier tier, size_t capacity, size_t alignment) {
   if (tier != CAI_MEM_NVME) {
+    const bool mapped = Mapped(capacity, alignment);
     // Below kMappedMin a block comes from glibc's heap, whose free space covers it.
-    if (HostReclaimer reclaim = g_host_reclaimer.load(); reclaim && Mapped(capacity, alignment)) {
-      reclaim(capacity);
-    }
+    if (HostReclaimer reclaim = g_host_reclaimer.load(); reclaim && mapped) reclaim(capacity);
     void* data = nullptr;
-    if (Mapped(capacity, alignment)) {
+    if (mapped) {
       data = MapHostPages(capacity);
     } else if (posix_memalign(&data, alignment, capacity) != 0) {
       data = nullptr;

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -46,16 +47,19 @@ Liveness::Liveness(Store& store, const LivenessOptions& options, Activity activi
                    OnFailure on_failure)
     : options_(options), activity_(std::move(activity)), on_failure_(std::move(on_failure)) {
   fd_ = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   sockaddr_in self{};
   self.sin_family = AF_INET;
   socklen_t len = sizeof(self);
   char ip[INET_ADDRSTRLEN] = {};
-  if (fd_ < 0 || inet_pton(AF_INET, options.bind_address.c_str(), &self.sin_addr) != 1 ||
+  if (fd_ < 0 || wake_fd_ < 0 ||
+      inet_pton(AF_INET, options.bind_address.c_str(), &self.sin_addr) != 1 ||
       ::bind(fd_, reinterpret_cast<sockaddr*>(&self), sizeof(self)) != 0 ||
       ::getsockname(fd_, reinterpret_cast<sockaddr*>(&self), &len) != 0 ||
       inet_ntop(AF_INET, &self.sin_addr, ip, sizeof(ip)) == nullptr) {
     const std::string why = std::strerror(errno);
     if (fd_ >= 0) ::close(fd_);
+    if (wake_fd_ >= 0) ::close(wake_fd_);
     throw Error(CAI_UNAVAILABLE, "failure detection: cannot open a UDP socket on " +
                                      options.bind_address + ": " + why);
   }
@@ -64,13 +68,20 @@ Liveness::Liveness(Store& store, const LivenessOptions& options, Activity activi
 }
 
 Liveness::~Liveness() {
+  StopThread();
+  ::close(fd_);
+  ::close(wake_fd_);
+}
+
+void Liveness::StopThread() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
+  const uint64_t one = 1;
+  (void)::write(wake_fd_, &one, sizeof one);
   if (thread_.joinable()) thread_.join();
-  ::close(fd_);
 }
 
 void Liveness::Start(Store& store) {
@@ -99,12 +110,7 @@ void Liveness::Start(Store& store) {
 }
 
 void Liveness::Leave() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  StopThread();
   if (declared_) return;
   // Three times: a lost datagram would make a watcher that runs on take this rank for lost.
   const std::string left = "L " + std::to_string(options_.rank);
@@ -156,9 +162,12 @@ void Liveness::Loop() {
       Beat();
       next_beat = now + options_.interval;
     }
-    pollfd p{fd_, POLLIN, 0};
+    pollfd p[2] = {{fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
     const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next_beat - now);
-    if (::poll(&p, 1, static_cast<int>(std::max<int64_t>(1, wait.count()))) > 0) Receive();
+    if (::poll(p, 2, static_cast<int>(std::max<int64_t>(1, wait.count()))) > 0 &&
+        (p[0].revents & POLLIN)) {
+      Receive();
+    }
     const auto after = Clock::now();
     for (int r : watched_) {
       const Peer& peer = peers_[static_cast<size_t>(r)];

@@ -90,11 +90,14 @@ class Liveness {
   void SendTo(int rank, const std::string& message);
   // Reports once: sends `report` to every rank when `broadcast`, then calls on_failure_.
   void Declare(const std::string& report, bool broadcast);
+  // Ends the heartbeat thread now, not at its next beat.
+  void StopThread();
 
   const LivenessOptions options_;
   const Activity activity_;
   const OnFailure on_failure_;
   int fd_ = -1;
+  int wake_fd_ = -1;  // an eventfd the heartbeat thread polls beside fd_, written to stop it
   std::vector<sockaddr_in> addresses_;  // by rank
   std::vector<int> watched_;            // ranks whose beats this rank checks
   std::vector<int> watchers_;           // ranks this rank sends its beats to

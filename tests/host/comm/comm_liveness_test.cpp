@@ -1,7 +1,10 @@
-// Failure detection without the collective timeout (heartbeats), the call check, and binding
-// to a named interface.
+// Failure detection without the collective timeout (heartbeats), the call check, binding
+// to a named interface, and the rendezvous store's connection.
 #include <atomic>
 #include <cstdlib>
+#include <memory>
+#include <thread>
+#include <vector>
 
 #include "comm/liveness.h"
 #include "comm/store.h"
@@ -325,6 +328,65 @@ TEST(CommLiveness, Comm_NamedInterface_BindsToItOrNamesTheMissingOne) {
           << e.what();
     }
   });
+}
+
+// LibTorch 1.13's store client sleeps a second after each refused connection; a rank that asks
+// before rank 0 listens (the usual order at a job's start) must not lose that second.
+TEST(Store, ClientStartedBeforeTheServer_ConnectsAsSoonAsItListens) {
+  const launch::PortReservation port("127.0.0.1");
+  Clock::time_point served, connected;
+  std::thread client([&] {
+    comm::Store store("127.0.0.1", port.port(), /*is_server=*/false, seconds(10));
+    connected = Clock::now();
+    store.SetString("k", "v");
+  });
+  std::this_thread::sleep_for(milliseconds(300));
+  served = Clock::now();
+  comm::Store server("127.0.0.1", port.port(), /*is_server=*/true, seconds(10));
+  client.join();
+  EXPECT_EQ(server.TryGet("k").value_or(""), "v");
+  // LibTorch's own retry comes ~0.7 s after the server starts here; a loaded 2-core machine
+  // still wakes a 10 ms sleeper well within 0.5 s.
+  EXPECT_LT(connected - served, milliseconds(500));
+}
+
+TEST(Store, ClientWithNoServer_FailsAfterItsTimeoutNamingTheAddress) {
+  const launch::PortReservation port("127.0.0.1");
+  const auto start = Clock::now();
+  try {
+    comm::Store store("127.0.0.1", port.port(), /*is_server=*/false, milliseconds(400));
+    ADD_FAILURE() << "a client reached a store nobody serves";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), CAI_UNAVAILABLE);
+    const std::string address = "127.0.0.1:" + std::to_string(port.port());
+    EXPECT_NE(std::string(e.what()).find("cannot reach the rendezvous store at " + address),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("is rank 0 running"), std::string::npos) << e.what();
+  }
+  EXPECT_GE(Clock::now() - start, milliseconds(400));
+}
+
+// A rank's heartbeat thread sleeps in poll() between beats; leaving must not wait for the next.
+TEST(CommLiveness, Leave_ReturnsWithoutWaitingForTheNextBeat) {
+  const launch::PortReservation port("127.0.0.1");
+  comm::Store store("127.0.0.1", port.port(), /*is_server=*/true, seconds(10));
+  comm::LivenessOptions options;
+  options.world_size = 2;
+  options.interval = seconds(5);
+  options.limit = seconds(30);
+  options.bind_address = "127.0.0.1";
+  std::vector<std::unique_ptr<comm::Liveness>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    options.rank = r;
+    ranks.push_back(std::make_unique<comm::Liveness>(
+        store, options, [] { return std::string("idle"); }, [](const std::string&) {}));
+  }
+  for (auto& r : ranks) r->Start(store);
+  std::this_thread::sleep_for(milliseconds(100));
+  const auto start = Clock::now();
+  for (auto& r : ranks) r->Leave();
+  EXPECT_LT(Clock::now() - start, milliseconds(1000));
 }
 
 }  // namespace

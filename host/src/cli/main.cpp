@@ -15,6 +15,7 @@
 #include "cli/train_command.h"
 #include "core/log.h"
 #include "core/status.h"
+#include "launch/local_launcher.h"
 
 namespace {
 
@@ -49,9 +50,8 @@ int Usage(const std::string& error) {
   return 2;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// main, also called in each rank the local launcher forks (launch::SetProgramEntry).
+int Main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   cai::GlobalOptions options;
   size_t i = 0;
@@ -93,4 +93,11 @@ int main(int argc, char** argv) {
     std::cerr << "cai: internal error: " << e.what() << "\n";
     return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  cai::launch::SetProgramEntry(&Main);
+  return Main(argc, argv);
 }

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -12,7 +13,10 @@
 #include <array>
 #include <cerrno>
 #include <charconv>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <optional>
 
 #include "core/status.h"
@@ -36,6 +40,32 @@ constexpr int kPollMs = 100;
 constexpr std::chrono::milliseconds kReportWindow{1000};
 
 volatile sig_atomic_t g_interrupt_signal = 0;
+constexpr std::array<int, 3> kInterruptSignals{SIGINT, SIGTERM, SIGHUP};
+ProgramEntry g_program_entry = nullptr;
+
+// How a forked rank that ran the program's entry ends. The static objects it would destroy on
+// exit are the launcher's copies (LibTorch's registries, mostly): freeing them writes to pages
+// the fork shares with the launcher, and copying those took a rank ~0.45 s. So it flushes what
+// the program may have buffered (stdio and iostreams, which the loggers' files write through)
+// and leaves without them; under AddressSanitizer it exits normally so that leaks are still
+// checked at exit.
+[[noreturn]] void ExitRank(int code) {
+#if defined(__SANITIZE_ADDRESS__)
+  std::exit(code);
+#else
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  ::_exit(code);
+#endif
+}
+
+// Whether this process runs only the calling thread.
+bool SingleThreaded() {
+  std::error_code ec;
+  const auto tasks = std::filesystem::directory_iterator("/proc/self/task", ec);
+  return !ec && std::distance(tasks, std::filesystem::directory_iterator()) == 1;
+}
 
 void OnInterrupt(int sig) { g_interrupt_signal = sig; }
 
@@ -47,16 +77,19 @@ class InterruptHandlers {
     struct sigaction action {};
     action.sa_handler = OnInterrupt;
     sigemptyset(&action.sa_mask);
-    for (size_t i = 0; i < kSignals.size(); ++i) sigaction(kSignals[i], &action, &previous_[i]);
+    for (size_t i = 0; i < kInterruptSignals.size(); ++i) {
+      sigaction(kInterruptSignals[i], &action, &previous_[i]);
+    }
   }
   ~InterruptHandlers() {
-    for (size_t i = 0; i < kSignals.size(); ++i) sigaction(kSignals[i], &previous_[i], nullptr);
+    for (size_t i = 0; i < kInterruptSignals.size(); ++i) {
+      sigaction(kInterruptSignals[i], &previous_[i], nullptr);
+    }
   }
   InterruptHandlers(const InterruptHandlers&) = delete;
   InterruptHandlers& operator=(const InterruptHandlers&) = delete;
 
  private:
-  static constexpr std::array<int, 3> kSignals{SIGINT, SIGTERM, SIGHUP};
   std::array<struct sigaction, 3> previous_{};
 };
 
@@ -118,6 +151,9 @@ struct Child {
   bool stopped = false;  // ended, successfully or not, after the launcher began stopping ranks
   bool reported_error = false;  // wrote a RankErrorLine
   Pipe out, err;
+  // Readable once the child has ended (a pidfd), so that poll() wakes for its exit as it does
+  // for its output; -1 where the kernel has no pidfds, and the poll's timeout finds the exit.
+  int exit_fd = -1;
 };
 
 class Launcher {
@@ -133,6 +169,7 @@ class Launcher {
       if (!c.reaped && c.pid > 0) ::waitpid(c.pid, &c.status, 0);
       CloseFd(c.out.fd);
       CloseFd(c.err.fd);
+      CloseFd(c.exit_fd);
     }
   }
 
@@ -222,6 +259,14 @@ class Launcher {
     for (std::string& s : argv_strings) argv.push_back(s.data());
     argv.push_back(nullptr);
 
+    // Fork is only safe to go on from without exec where no other thread may hold a lock
+    // (the allocator's, a logger's) at the fork.
+    const bool in_process = options_.executable.empty() && g_program_entry && SingleThreaded();
+    if (in_process) {
+      // A fork copies unwritten buffers: the ranks would write them again.
+      std::fflush(nullptr);
+      std::cout.flush();
+    }
     const pid_t launcher_pid = ::getpid();
     pid_t pgid = 0;
     children_.resize(static_cast<size_t>(options_.nproc));
@@ -251,6 +296,18 @@ class Launcher {
         if (::getppid() != launcher_pid) ::_exit(127);
         ::dup2(out[1], STDOUT_FILENO);
         ::dup2(err[1], STDERR_FILENO);
+        if (in_process) {
+          BecomeRank(out, err);
+          environ = envp.data();
+          // Nothing may unwind from here into the launcher's frames, which this process does
+          // not run.
+          int code = 1;
+          try {
+            code = g_program_entry(static_cast<int>(argv.size()) - 1, argv.data());
+          } catch (...) {
+          }
+          ExitRank(code);
+        }
         ::execve(argv[0], argv.data(), envp.data());
         const char msg[] = "cai launcher: execve failed\n";
         [[maybe_unused]] auto ignored = ::write(STDERR_FILENO, msg, sizeof(msg) - 1);
@@ -264,11 +321,31 @@ class Launcher {
       if (pid < 0)
         throw Error(CAI_RESOURCE_EXHAUSTED, "fork failed for rank " + std::to_string(rank));
       child.pid = pid;
+      child.exit_fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
       // Also from the parent, so the group exists before the next fork whatever the order.
       ::setpgid(pid, pgid == 0 ? pid : pgid);
       if (pgid == 0) pgid = pid;
     }
     pgid_ = pgid;
+  }
+
+  // In a rank forked to run the program's entry: what execve would have done to the launcher's
+  // state. The launcher's descriptors (all close-on-exec) are closed, and its signal handlers
+  // reset; the rest of its memory is the program as it was before the launch, and the entry
+  // runs the command again from its arguments.
+  void BecomeRank(const int out[2], const int err[2]) {
+    for (int fd : {out[0], out[1], err[0], err[1]}) {
+      if (fd > STDERR_FILENO) ::close(fd);
+    }
+    for (const Child& c : children_) {
+      for (int fd : {c.out.fd, c.err.fd, c.exit_fd}) {
+        if (fd >= 0) ::close(fd);
+      }
+    }
+    if (reserved_port_) reserved_port_->CloseInChild();
+    struct sigaction action {};
+    action.sa_handler = SIG_DFL;
+    for (int sig : kInterruptSignals) ::sigaction(sig, &action, nullptr);
   }
 
   static std::vector<std::string> Environment(
@@ -297,12 +374,16 @@ class Launcher {
         }
       }
     }
+    const size_t pipes = fds.size();
+    for (const Child& c : children_) {
+      if (!c.reaped && c.exit_fd >= 0) fds.push_back({c.exit_fd, POLLIN, 0});
+    }
     if (fds.empty()) {
       ::usleep(kPollMs * 1000);
       return;
     }
     if (::poll(fds.data(), fds.size(), kPollMs) <= 0) return;
-    for (size_t k = 0; k < fds.size(); ++k) {
+    for (size_t k = 0; k < pipes; ++k) {
       if (fds[k].revents == 0) continue;
       const auto [i, stream] = owners[k];
       ReadOnce(i, stream);
@@ -386,6 +467,7 @@ class Launcher {
     for (Child& c : children_) {
       if (c.reaped || ::waitpid(c.pid, &c.status, WNOHANG) != c.pid) continue;
       c.reaped = true;
+      CloseFd(c.exit_fd);
       if (WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0) {
         c.stopped = stopping_;
         continue;
@@ -562,6 +644,8 @@ int ParseNproc(std::string_view text) {
   }
   return n;
 }
+
+void SetProgramEntry(ProgramEntry entry) { g_program_entry = entry; }
 
 LaunchResult LaunchLocal(const LaunchOptions& options) {
   if (options.nproc < 1) {

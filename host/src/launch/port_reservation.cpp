@@ -33,6 +33,13 @@ PortReservation::PortReservation(const std::string& addr) {
   port_ = ntohs(sa.sin_port);
 }
 
-PortReservation::~PortReservation() { ::close(fd_); }
+PortReservation::~PortReservation() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void PortReservation::CloseInChild() {
+  ::close(fd_);
+  fd_ = -1;
+}
 
 }  // namespace cai::launch

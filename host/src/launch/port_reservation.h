@@ -22,6 +22,9 @@ class PortReservation {
   PortReservation& operator=(const PortReservation&) = delete;
 
   int port() const { return port_; }
+  // In a child forked without exec: closes its copy of the socket (the parent keeps holding
+  // the port), as exec would.
+  void CloseInChild();
 
  private:
   int fd_ = -1;

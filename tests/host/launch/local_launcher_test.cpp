@@ -1,5 +1,6 @@
 #include "launch/local_launcher.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -7,9 +8,12 @@
 #include <termios.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <mutex>
 #include <ostream>
+#include <set>
 #include <thread>
 
 #include "core/status.h"
@@ -403,6 +407,65 @@ TEST(LaunchLocal, LauncherGetsSigterm_StopsRanksAndExits143) {
   EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM);
   // The launcher reaped its ranks before exiting, so they are gone for good.
   ExpectAllGone(ranks);
+}
+
+// The descriptors open in this process, but for the one listing them.
+std::set<int> OpenFds() {
+  std::set<int> fds;
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (!dir) return fds;
+  while (const dirent* e = ::readdir(dir)) {
+    const int fd = std::atoi(e->d_name);
+    if (e->d_name[0] != '.' && fd != ::dirfd(dir)) fds.insert(fd);
+  }
+  ::closedir(dir);
+  return fds;
+}
+
+std::set<int> g_fds_before_launch;
+
+// The program entry of the test below: a rank of it reports what it was started with.
+int ProbeProgram(int argc, char** argv) {
+  std::string leaked;
+  for (int fd : OpenFds()) {
+    if (fd > STDERR_FILENO && !g_fds_before_launch.count(fd)) leaked += " " + std::to_string(fd);
+  }
+  std::string handlers = "default";
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction action {};
+    ::sigaction(sig, nullptr, &action);
+    if (action.sa_handler != SIG_DFL) handlers = "launcher's";
+  }
+  std::printf("rank %s of %s: argc %d, %s; leaked fds:%s; handlers %s\n", std::getenv("RANK"),
+              std::getenv("WORLD_SIZE"), argc, argc > 1 ? argv[1] : "", leaked.c_str(),
+              handlers.c_str());
+  return 0;
+}
+
+TEST(LaunchLocal, RanksOfThisProgram_RunItsEntryWithTheirEnvironmentAndNoneOfTheLaunchersState) {
+  // The launcher forks its own program's ranks without exec only while it runs one thread.
+  ASSERT_EQ(std::distance(fs::directory_iterator("/proc/self/task"), fs::directory_iterator()), 1);
+  g_fds_before_launch = OpenFds();
+  SetProgramEntry(&ProbeProgram);
+  std::vector<Line> lines;
+  LaunchOptions options = Fake(3, "probe", &lines);
+  options.executable.clear();
+  const LaunchResult result = LaunchLocal(options);
+  SetProgramEntry(nullptr);
+  EXPECT_EQ(result.exit_code, 0) << result.message;
+  std::set<std::string> seen;
+  for (const Line& line : lines) {
+    EXPECT_EQ(line.stream, Stream::kStdout) << line.text;
+    seen.insert(line.text);
+  }
+  // Their own pipes, the others' and the port the launcher holds stay the launcher's; an exec
+  // of this test program would have printed gtest's output instead.
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string expected =
+        "rank " + std::to_string(rank) + " of 3: argc 2, probe; leaked fds:; handlers default";
+    EXPECT_TRUE(seen.count(expected)) << "missing: " << expected;
+  }
+  ExpectAllGone(result.pids);
 }
 
 }  // namespace

@@ -9,6 +9,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -47,17 +51,16 @@ ProgramEntry g_program_entry = nullptr;
 // exit are the launcher's copies (LibTorch's registries, mostly): freeing them writes to pages
 // the fork shares with the launcher, and copying those took a rank ~0.45 s. So it flushes what
 // the program may have buffered (stdio and iostreams, which the loggers' files write through)
-// and leaves without them; under AddressSanitizer it exits normally so that leaks are still
-// checked at exit.
+// and leaves without them; under AddressSanitizer it first runs the leak check that exit would
+// have run.
 [[noreturn]] void ExitRank(int code) {
-#if defined(__SANITIZE_ADDRESS__)
-  std::exit(code);
-#else
   std::cout.flush();
   std::cerr.flush();
   std::fflush(nullptr);
-  ::_exit(code);
+#if defined(__SANITIZE_ADDRESS__)
+  __lsan_do_leak_check();
 #endif
+  ::_exit(code);
 }
 
 // Whether this process runs only the calling thread.

@@ -3,8 +3,10 @@
 # every report fatal) into build-asan and runs the host, SDK, ABI and plugin suites there: the
 # cai binary, the plugins it loads and every test program are instrumented; LibTorch, Gloo and
 # OpenBLAS are not (their bugs are not ours to find, and ASan only sees what they do through
-# malloc). Leaks are reported at exit of every instrumented process; the few that belong to
-# the uninstrumented libraries are listed, with why, in tests/sanitize/lsan.supp.
+# malloc). Leaks are reported at exit of every instrumented process but `cai train --nproc N`'s
+# launcher, which ends without its leak check once the ranks have ended (its code is checked by
+# the launcher's tests and by every one-rank run); the few that belong to the uninstrumented
+# libraries are listed, with why, in tests/sanitize/lsan.supp.
 # Left out: what runs no code of ours (the packaging test, which builds its own packages; the
 # out-of-tree SDK build; clang-format; the benchmarks' PyTorch peers) and what repeats, for
 # minutes, code paths that the tests kept here already run (under ASan a training rank runs

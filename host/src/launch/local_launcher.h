@@ -142,8 +142,11 @@ LaunchResult LaunchLocal(const LaunchOptions& options);
 // SLURM, Open MPI variables) it runs `rank_main` as that rank; with options.nproc == 1 it runs
 // `rank_main` as the only rank of a one-process world (free loopback port, run id from the
 // pid); otherwise it launches options.nproc copies of the program with options.args, which
-// then take the first path. Returns the exit status; a failed launch prints the ranks' errors
-// (LaunchResult::rank_errors) and then its message, each line "cai: error: ...".
+// then take the first path. Returns the exit status of the first two paths. The launcher does
+// not return: once the ranks have ended it prints a failed launch's rank errors
+// (LaunchResult::rank_errors) and then its message, each line "cai: error: ...", and ends the
+// process with the launch's exit status, skipping its static teardown (and, under
+// AddressSanitizer, its exit's leak check).
 int RunOrLaunch(const LaunchOptions& options, const std::function<int(const RankEnv&)>& rank_main);
 
 }  // namespace cai::launch

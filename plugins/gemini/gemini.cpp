@@ -50,16 +50,20 @@
 // the gathered copies stale. Every rank takes the same decisions (same chunks, same order,
 // same agreed capacity), so the collectives stay matched.
 //
-// One micro-batch: root chunks gathered and their gradient buffers zeroed; at a unit's
-// PRE_FORWARD its sharded chunks are all-gathered (compute dtype) into the parameters'
-// released storage, and released at the POST_FORWARD of the last unit they hold parameters of;
-// PRE_BACKWARD gathers them again with a zeroed gradient buffer the .grad are views of, and
-// the POST_BACKWARD of the first unit they serve reduce-scatters the chunk's gradient (SUM,
-// compute dtype), all-reduces the result over the extra_dp_size replicas and adds it into the
-// fp32 gradient shard. With enable_async_reduce one chunk's reduce-scatter runs while backward
-// goes on. With max_prefetch > 0 the first micro-batch records the order chunks are gathered
-// in (forward, recomputation and backward); later ones start the all-gathers of the next
-// max_prefetch chunks of that order as each is gathered, so they run behind compute.
+// One micro-batch: root chunks gathered; at a unit's PRE_FORWARD its sharded chunks are
+// all-gathered (compute dtype) into the parameters' released storage, and released at the
+// POST_FORWARD of the last unit they hold parameters of; PRE_BACKWARD gathers them again. As
+// each parameter's gradient is ready (GRAD_READY, after its last use in this backward) it is
+// copied over the parameter's own place in the gathered chunk, as ColossalAI's chunks do, so
+// gradients take no chunk-sized buffer of their own (a kept chunk, and every chunk under auto,
+// whose gathered parameters are still wanted, have a zeroed gradient buffer the .grad are views
+// of instead). The POST_BACKWARD of the first unit a chunk serves reduce-scatters the chunk's
+// gradient (SUM, compute dtype), all-reduces the result over the extra_dp_size replicas and
+// adds it into the fp32 gradient shard. With enable_async_reduce one chunk's reduce-scatter
+// runs while backward goes on. With max_prefetch > 0 the first micro-batch records the order
+// chunks are gathered in (forward, recomputation and backward); later ones start the
+// all-gathers of the next max_prefetch chunks of that order as each is gathered, so they run
+// behind compute.
 //
 // Gradient accumulation needs nothing special: each micro-batch's gradients are reduced into
 // the fp32 gradient shards, which accumulate until the step (enable_gradient_accumulation is
@@ -467,6 +471,7 @@ class Gemini {
     epilogue_.emplace(optimizer_, max_norm_);
     if (args.precision == CAI_PRECISION_FP16) epilogue_->EnableLossScaling(scaler_config_);
     used_.assign(num_members_, 0);
+    in_chunk_.assign(num_members_, 0);
 
     hooks_ = cai::sdk::UnitHooks(model_, &Gemini::OnUnitHook, this);
     LogLayout();
@@ -489,11 +494,16 @@ class Gemini {
     }
     cai_status* status = cai::sdk::Guard(
         [&] { cai::sdk::RunMicroBatch(model_, batch, true, epilogue_->loss_scale()); });
+    if (status != nullptr) {
+      for (Chunk& c : chunks_) {
+        if (c.collecting) DropGrads(c);
+      }
+    }
     Check(status);
     // Chunks whose backward never ended (no gradient reached them), then the root's, in chunk
     // order, which every rank shares.
     for (Chunk& c : chunks_) {
-      if (c.grads.get()) ReduceGrads(c);
+      if (c.collecting) ReduceGrads(c);
       ReleaseParams(c);
     }
     reducer_.Finish();
@@ -520,7 +530,7 @@ class Gemini {
   void Step(cai_step_result& result) {
     if (!model_) throw Error(CAI_FAILED_PRECONDITION, "gemini: step before boost");
     for (Chunk& c : chunks_) {
-      if (c.grads.get()) ReduceGrads(c);
+      if (c.collecting) ReduceGrads(c);
     }
     reducer_.Finish();
     cai::sdk::StepSums sums;
@@ -568,9 +578,7 @@ class Gemini {
     micro_batch_ = 0;
     reducer_.Discard();
     for (Chunk& c : chunks_) {
-      if (!c.grads.get()) continue;
-      for (const Member& m : c.members) Check(Host().model->release_grad(model_, m.param));
-      c.grads = Buffer();
+      if (c.collecting) DropGrads(c);
     }
     for (Bank& bank : banks_) {
       RunKernel(CAI_KERNEL_FILL, nullptr, View(bank.grads, kF32, 0, &bank.numel));
@@ -712,7 +720,8 @@ class Gemini {
     int32_t first_unit = -1, last_unit = -1;  // model units holding its parameters
     Buffer gathered;                          // capacity compute-dtype elements while gathered
     Buffer staging;  // the device copy of a host-held compute shard, while gathering
-    Buffer grads;    // capacity compute-dtype elements while backward accumulates
+    Buffer grads;    // capacity compute-dtype elements while backward accumulates (not in place)
+    bool collecting = false;  // backward's gradients go to it (BeginGrads until ReduceGrads)
     bool released = true;
     bool cached = false;  // auto: gathered and unused, kept for its next use
     cai::sdk::Work prefetch;
@@ -841,11 +850,13 @@ class Gemini {
       chunks_[k].shard = packing.capacity[k] / g;
     }
     member_of_param_.assign(num_params, -1);
+    chunk_of_member_.clear();
     chunks_of_unit_.assign(num_units, {});
     for (size_t j = 0; j < order.size(); ++j) {
       Chunk& chunk = chunks_[packing.chunk_of[j]];
       const cai_param_info info = ParamInfo(order[j]);
       member_of_param_[order[j]] = static_cast<int32_t>(num_members_);
+      chunk_of_member_.push_back(static_cast<int32_t>(packing.chunk_of[j]));
       chunk.members.push_back(
           {order[j], info.group, info.numel, chunk.numel, static_cast<int32_t>(num_members_)});
       ++num_members_;
@@ -1414,8 +1425,21 @@ class Gemini {
     c.gathered = Buffer();
   }
 
+  // Whether backward writes chunk c's gradients over its gathered parameters, as ColossalAI's
+  // chunks do: GRAD_READY fires once a parameter's gradient holds every use, after which its
+  // value is not read again in this backward, so the gradient takes its place and the chunk is
+  // reduce-scattered from there, with no second chunk-sized buffer. Not for a kept chunk,
+  // whose gathered parameters serve the next micro-batch too, nor under auto, whose cache
+  // keeps gathered chunks for their next use.
+  bool GradsInPlace(const Chunk& c) const { return !c.kept && !auto_; }
+
   void BeginGrads(Chunk& c) {
-    if (c.grads.get()) return;
+    if (c.collecting) return;
+    c.collecting = true;
+    if (GradsInPlace(c)) {
+      for (const Member& m : c.members) in_chunk_[m.index] = 0;
+      return;
+    }
     c.grads = Alloc(CAI_MEM_DEVICE, c.capacity, compute_, "gemini.grad");
     for (const Member& m : c.members) {
       cai_tensor view = View(c.grads, compute_, m.offset, &m.numel);
@@ -1428,15 +1452,72 @@ class Gemini {
   // enable_async_reduce), then an all-reduce over the replicas; offloaded chunks take it to
   // the host.
   void ReduceGrads(Chunk& c) {
-    for (const Member& m : c.members) Check(Host().model->release_grad(model_, m.param));
+    c.collecting = false;
+    Buffer grads;
+    if (c.grads.get()) {
+      for (const Member& m : c.members) Check(Host().model->release_grad(model_, m.param));
+      grads = std::move(c.grads);
+    } else {
+      grads = TakeGatheredAsGrads(c);
+    }
     const Chunk* chunk = &c;
-    reducer_.Reduce(std::move(c.grads), c.shard, compute_,
+    reducer_.Reduce(std::move(grads), c.shard, compute_,
                     [this, chunk](const cai_tensor& summed, const Buffer& on) {
                       const Chunk& c = *chunk;
                       const Bank& bank = banks_[c.bank];
                       traffic_.to_host += static_cast<double>(cai::sdk::AddToShard(
                           summed, on, View(bank.grads, kF32, c.base, &c.shard), bank.tier));
                     });
+  }
+
+  // GradsInPlace: the gradient of trainable parameter `member` (model parameter `param`) of
+  // chunk c into its place in the gathered chunk; the model's copy goes.
+  void GradIntoChunk(Chunk& c, int32_t member, uint32_t param) {
+    if (!c.collecting || c.released || !c.gathered.get()) {
+      throw Error(CAI_INTERNAL, "gemini: the gradient of '" + ParamName(param) +
+                                    "' was ready while its chunk was not in backward");
+    }
+    cai_tensor grad{};
+    cai_status* missing = Host().model->param_grad(model_, param, &grad);
+    if (missing) {  // no gradient after all: its place is zeroed with the unused ones
+      Host().status_destroy(missing);
+      return;
+    }
+    const auto it = std::find_if(c.members.begin(), c.members.end(),
+                                 [&](const Member& m) { return m.index == member; });
+    RunKernel(CAI_KERNEL_COPY, &grad, View(c.gathered, compute_, it->offset, &it->numel));
+    Check(Host().model->release_grad(model_, param));
+    in_chunk_[member] = 1;
+  }
+
+  // GradsInPlace: chunk c's gathered memory, now its gradients (zero where no gradient came:
+  // parameters unused in this backward, and the padding), leaves the parameters.
+  Buffer TakeGatheredAsGrads(Chunk& c) {
+    if (!c.gathered.get()) return Alloc(CAI_MEM_DEVICE, c.capacity, compute_, "gemini.grad");
+    int64_t from = 0;
+    auto zero = [&](int64_t to) {
+      int64_t count = to - from;
+      if (count > 0) RunKernel(CAI_KERNEL_FILL, nullptr, View(c.gathered, compute_, from, &count));
+    };
+    for (const Member& m : c.members) {
+      if (in_chunk_[m.index]) {
+        zero(m.offset);
+        from = m.offset + m.numel;
+      }
+    }
+    zero(c.capacity);
+    for (const Member& m : c.members) Check(Host().model->release_param_storage(model_, m.param));
+    c.released = true;
+    gathered_bytes_ -= c.gathered.size();
+    return std::move(c.gathered);
+  }
+
+  // A backward's gradients that will not be reduced (zero_grad, or a failed forward_backward).
+  void DropGrads(Chunk& c) {
+    for (const Member& m : c.members) Check(Host().model->release_grad(model_, m.param));
+    if (!c.grads.get()) ReleaseParams(c, /*force=*/true, /*may_cache=*/false);  // holds gradients
+    c.grads = Buffer();
+    c.collecting = false;
   }
 
   static cai_status* OnUnitHook(void* self, const cai_hook_event* event) {
@@ -1447,7 +1528,10 @@ class Gemini {
     if (e.kind == CAI_HOOK_GRAD_READY) {
       if (e.param >= 0 && static_cast<size_t>(e.param) < member_of_param_.size() &&
           member_of_param_[e.param] >= 0) {
-        used_[member_of_param_[e.param]] = 1;
+        const int32_t member = member_of_param_[e.param];
+        used_[member] = 1;
+        Chunk& c = chunks_[chunk_of_member_[member]];
+        if (GradsInPlace(c)) GradIntoChunk(c, member, static_cast<uint32_t>(e.param));
       }
       return;
     }
@@ -1469,7 +1553,7 @@ class Gemini {
           break;
         case CAI_HOOK_POST_BACKWARD:
           if (e.unit != c.first_unit) break;
-          if (c.grads.get()) ReduceGrads(c);
+          if (c.collecting) ReduceGrads(c);
           ReleaseParams(c);
           break;
         default:
@@ -1580,6 +1664,8 @@ class Gemini {
   std::vector<Chunk> chunks_;
   std::vector<std::vector<int32_t>> chunks_of_unit_;  // model unit -> its chunks, in order
   std::vector<int32_t> member_of_param_;              // model parameter -> trainable index
+  std::vector<int32_t> chunk_of_member_;              // trainable index -> its chunk
+  std::vector<uint8_t> in_chunk_;  // GradsInPlace: this backward's gradient is in its chunk
   std::vector<uint32_t> frozen_;
   size_t num_members_ = 0;
   int64_t psi_ = 0;

@@ -317,6 +317,31 @@ TEST(GeminiParity, TwoAndThreeRanks_AutoKeepsChunksGatheredUntilTheStep) {
   }
 }
 
+// Backward writes each gradient over its parameter's place in the gathered chunk (static
+// placement), so a chunk's gradient never takes device memory beside its gathered parameters.
+// With the blocks in one chunk, the device pool's peak stays within the sharded fp32 states
+// (master, gradient, two AdamW slots: 16 B per shard element), every chunk gathered at once,
+// and the reduce-scatters' outputs (one in flight and one queued: two shards); 64 B allow
+// for the plugin's empty buffers. A gradient buffer per chunk beside the gathered parameters,
+// as kept chunks use, puts the peak above that by the chunks' gradients (605,825 against a
+// bound of 517,952 B when this test was written, bit-identical losses).
+TEST(GeminiParity, TwoRanks_GradientsTakeTheirParametersPlaceInTheGatheredChunk) {
+  const TrainRun& ref = Reference({});
+  const TrainRun run = Gemini("one_block_chunk", 2, {"plugin.gemini.chunk_size=30000"});
+  ExpectParity(ref, run);
+  const Layout l = LayoutOf(run);
+  ASSERT_EQ(l.capacity.size(), 2u) << run.output;  // the root chunk and the blocks' chunk
+  double capacity = 0, largest = 0;
+  for (int64_t c : l.capacity) {
+    capacity += static_cast<double>(c);
+    largest = std::max(largest, static_cast<double>(c));
+  }
+  const double bound = 16 * ShardElements(l, 2) + 4 * capacity + 2 * 4 * largest / 2 + 64;
+  const std::vector<double> peaks = PerRank(run, "peak_bytes", "device");
+  ASSERT_EQ(peaks.size(), 2u) << run.summary;
+  for (double peak : peaks) EXPECT_LE(peak, bound) << run.summary;
+}
+
 // ColossalAI's max_norm key clips in place of optimizer.max_grad_norm: the tiny job's 0.05
 // given to the plugin instead trains as the reference clipping at 0.05.
 TEST(GeminiParity, TwoRanks_MaxNormClipsAsTheJobsClipping) {

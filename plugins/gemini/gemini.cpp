@@ -675,9 +675,12 @@ class Gemini {
     const auto psi = static_cast<double>(args.num_params);
     const double shard = psi / static_cast<double>(n);
     const double k = args.optimizer_state_slots;
-    // A gathered unit's worth of chunks with its gradient, and the one in its reduce-scatter.
-    const double working =
-        3.0 * static_cast<double>(e) * static_cast<double>(args.largest_unit_numel);
+    // A gathered unit's worth of chunks and the one in its reduce-scatter. The static policy
+    // writes the gradients over the gathered parameters; auto, and the kept chunks, give them a
+    // buffer of their own beside them in backward.
+    const bool auto_policy = have && config.String("placement_policy") == "auto";
+    const double working = (auto_policy ? 3.0 : 2.0) * static_cast<double>(e) *
+                           static_cast<double>(args.largest_unit_numel);
     const double kept = (1 - shard_frac) * e * psi;
     const double on_host = optim_frac * (8 + 4 * k - (4 * k + nvme_master) * nvme_frac) * shard;
     const double on_device = (1 - optim_frac) * (8 + 4 * k) * shard;
@@ -686,11 +689,13 @@ class Gemini {
     out.param_bytes = static_cast<uint64_t>(e * shard + kept);
     out.grad_bytes = static_cast<uint64_t>(4 * shard + working);
     out.optimizer_state_bytes = static_cast<uint64_t>(4 * k * shard);
-    out.device_bytes = static_cast<uint64_t>(on_device + compute_copy + kept + working);
+    out.device_bytes = static_cast<uint64_t>(on_device + compute_copy + 2 * kept + working);
     out.host_bytes = static_cast<uint64_t>(on_host + param_frac * e * shard);
     out.formula =
         "device (1-f_optim)(8+4k)Ψ/G + compute copy eΨ/G of the chunks not on the host + "
-        "(1-f_shard)eΨ kept gathered + 3e·unit gathered; host f_optim(8 + 4k - (4k + m)f_nvme)Ψ/G "
+        "(1-f_shard)eΨ kept gathered and as much for their gradient + 2e·unit gathered (3e·unit "
+        "under auto, whose gradients have a buffer of their own); host f_optim(8 + 4k - (4k + "
+        "m)f_nvme)Ψ/G "
         "(+ f_param·eΨ/G); NVMe f_optim·f_nvme·(4k + m)Ψ/G (m = 4 with nvme_offload_masters) (G = "
         "world / extra_dp_size, f = the "
         "placement fractions)";

@@ -1420,6 +1420,11 @@ class Gemini {
     if (c.kept && !force) return;
     if (c.cached) return;
     if (!force && may_cache && Cache(c)) return;
+    Ungather(c);
+  }
+
+  // Releases chunk c's parameters' storage and hands over its gathered memory.
+  Buffer Ungather(Chunk& c) {
     if (!c.released) {
       for (const Member& m : c.members) {
         Check(Host().model->release_param_storage(model_, m.param));
@@ -1427,7 +1432,7 @@ class Gemini {
       c.released = true;
     }
     if (c.gathered.get()) gathered_bytes_ -= c.gathered.size();
-    c.gathered = Buffer();
+    return std::move(c.gathered);
   }
 
   // Whether backward writes chunk c's gradients over its gathered parameters, as ColossalAI's
@@ -1459,11 +1464,11 @@ class Gemini {
   void ReduceGrads(Chunk& c) {
     c.collecting = false;
     Buffer grads;
-    if (c.grads.get()) {
+    if (GradsInPlace(c)) {
+      grads = TakeGatheredAsGrads(c);
+    } else {
       for (const Member& m : c.members) Check(Host().model->release_grad(model_, m.param));
       grads = std::move(c.grads);
-    } else {
-      grads = TakeGatheredAsGrads(c);
     }
     const Chunk* chunk = &c;
     reducer_.Reduce(std::move(grads), c.shard, compute_,
@@ -1511,16 +1516,13 @@ class Gemini {
       }
     }
     zero(c.capacity);
-    for (const Member& m : c.members) Check(Host().model->release_param_storage(model_, m.param));
-    c.released = true;
-    gathered_bytes_ -= c.gathered.size();
-    return std::move(c.gathered);
+    return Ungather(c);
   }
 
   // A backward's gradients that will not be reduced (zero_grad, or a failed forward_backward).
   void DropGrads(Chunk& c) {
     for (const Member& m : c.members) Check(Host().model->release_grad(model_, m.param));
-    if (!c.grads.get()) ReleaseParams(c, /*force=*/true, /*may_cache=*/false);  // holds gradients
+    if (GradsInPlace(c)) ReleaseParams(c, /*force=*/true, /*may_cache=*/false);  // holds gradients
     c.grads = Buffer();
     c.collecting = false;
   }

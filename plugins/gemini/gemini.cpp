@@ -89,6 +89,7 @@
 #include <cai/sdk/sharding.hpp>
 #include <cai/sdk/step.hpp>
 #include <cmath>
+#include <deque>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -170,6 +171,250 @@ Packing Pack(const std::vector<int64_t>& sizes, const std::vector<bool>& root, i
   close(true);
   return p;
 }
+
+// How the chunk capacity C is chosen: chunk_size, or ColossalAI's search over a range.
+struct ChunkSizing {
+  int64_t chunk_size = 0, min_chunk = 0, search_range = 0, interval = 1024;
+
+  static ChunkSizing From(const cai::sdk::Config& config) {
+    ChunkSizing s;
+    s.chunk_size = config.Int("chunk_size");
+    s.min_chunk = std::llround(config.Float("min_chunk_size_m") * kMega);
+    s.search_range = std::llround(config.Float("search_range_m") * kMega);
+    s.interval = config.Int("hidden_dim") > 0 ? config.Int("hidden_dim") : 1024;
+    return s;
+  }
+
+  // C for parameters of `sizes` (in chunk order, `root` as Pack takes it) over g shards: the
+  // least padding over the range, the smallest size among equals, never above Ψ rounded up.
+  int64_t Capacity(const std::vector<int64_t>& sizes, const std::vector<bool>& root,
+                   int64_t g) const {
+    if (chunk_size > 0) return RoundUp(chunk_size, g);
+    int64_t psi = 0;
+    for (int64_t n : sizes) psi += n;
+    const int64_t lo = RoundUp(std::max<int64_t>(1, std::min(min_chunk, psi)), g);
+    const int64_t hi = std::max(lo, RoundUp(std::min(min_chunk + search_range, psi), g));
+    int64_t best = -1, c = lo;
+    for (int64_t size = lo; size <= hi; size += RoundUp(interval, g)) {
+      const int64_t waste = Pack(sizes, root, size, g).waste;
+      if (best < 0 || waste < best) {
+        best = waste;
+        c = size;
+      }
+    }
+    return c;
+  }
+};
+
+// Trainable parameters in chunk order: those outside every block (root) first, then each
+// block's in unit order; registration order within. `block_of[i]`: parameter i's block unit,
+// -1 outside every block; untrainable ones are left out.
+std::vector<uint32_t> ChunkOrder(const std::vector<int32_t>& block_of,
+                                 const std::vector<bool>& trainable) {
+  std::vector<uint32_t> order, blocks;
+  for (uint32_t i = 0; i < block_of.size(); ++i) {
+    if (trainable[i]) (block_of[i] < 0 ? order : blocks).push_back(i);
+  }
+  std::stable_sort(blocks.begin(), blocks.end(),
+                   [&](uint32_t a, uint32_t b) { return block_of[a] < block_of[b]; });
+  order.insert(order.end(), blocks.begin(), blocks.end());
+  return order;
+}
+
+// Where each chunk lives, by the static policy's fractions of the chunks' capacity in chunk
+// order, a fraction f taking the first chunks until f of the capacity is reached.
+constexpr int kDevice = 0, kHost = 1, kNvme = 2, kBanks = 3;
+struct Placement {
+  bool kept = false;   // gathered on every rank, never released (shard_param_frac)
+  int bank = kDevice;  // where its fp32 shards live
+  int compute = -1;    // compute-dtype shard: -1 none (the fp32 master is it), 0 device, 1 host
+};
+struct Fractions {
+  double shard = 1, optim = 0, param = 0, nvme = 0;
+};
+std::vector<Placement> Place(const std::vector<int64_t>& capacity, const Fractions& f,
+                             int64_t shards, bool mixed) {
+  int64_t total = 0;
+  for (int64_t c : capacity) total += c;
+  auto first = [&](double frac) {
+    std::vector<bool> in(capacity.size(), false);
+    int64_t before = 0;
+    for (size_t k = 0; k < capacity.size(); ++k) {
+      in[k] = static_cast<double>(before) < frac * static_cast<double>(total) - 0.5;
+      before += capacity[k];
+    }
+    return in;
+  };
+  const std::vector<bool> sharded = first(f.shard);
+  const std::vector<bool> offload = first(f.optim);
+  const std::vector<bool> host_param = first(f.param);
+  // NVMe takes the last nvme_offload_fraction of the offloaded capacity.
+  int64_t offloaded = 0;
+  for (size_t k = 0; k < capacity.size(); ++k) offloaded += offload[k] ? capacity[k] : 0;
+  std::vector<Placement> out(capacity.size());
+  int64_t before = 0;
+  for (size_t k = 0; k < capacity.size(); ++k) {
+    Placement& p = out[k];
+    p.kept = !sharded[k] || shards == 1;
+    if (offload[k]) {
+      // The last offloaded chunks until the fraction is reached (rounding up).
+      const bool nvme = f.nvme > 0 && static_cast<double>(offloaded - before - capacity[k]) <
+                                          f.nvme * static_cast<double>(offloaded);
+      p.bank = nvme ? kNvme : kHost;
+      before += capacity[k];
+    }
+    if (host_param[k]) {
+      p.compute = 1;
+    } else if (mixed || p.bank != kDevice) {
+      p.compute = 0;
+    }
+  }
+  return out;
+}
+
+// The most the device pool holds beyond the banks and the compute copies, replaying the
+// plugin's schedule over its chunks buffer by buffer: boost assembling one chunk at a time in
+// fp32; a micro-batch that records the gather order, then one that follows it with
+// max_prefetch chunks gathered ahead; the root chunks gathered throughout, each block's
+// around its forward and its backward; gradients over the gathered parameters, or in a buffer
+// beside them (kept chunks, auto); each reduce-scatter holding its input and output until
+// enough others queue behind it; a checkpoint gathering one chunk in fp32. The estimate's
+// test holds it against measured peaks, so a schedule change it does not follow shows there.
+struct Schedule {
+  struct Chunk {
+    int64_t capacity = 0;
+    bool root = false;
+    Placement place;
+    int32_t first_unit = -1, last_unit = -1;
+  };
+  std::vector<Chunk> chunks;
+  std::vector<std::vector<int32_t>> chunks_of_unit;  // by unit index, as the hooks fire
+  uint64_t element = 4;                              // bytes of a compute-dtype element
+  int64_t shards = 1;
+  size_t max_prefetch = 0;
+  size_t in_flight = 1;    // reduce-scatters left running (enable_async_reduce)
+  bool cache_all = false;  // auto without a budget: gathered chunks stay until the step
+  bool init_on_device = true;
+
+  uint64_t Peak() const {
+    const size_t n = chunks.size();
+    enum State { kReleased, kPrefetched, kGathered };
+    std::vector<State> state(n, kReleased);
+    std::vector<bool> collecting(n, false);
+    std::deque<uint64_t> pending;  // queued reduce-scatters' input and output bytes
+    uint64_t now = 0, peak = 0;
+    int64_t largest = 0;
+    auto add = [&](uint64_t b) {
+      now += b;
+      peak = std::max(peak, now);
+    };
+    auto bytes = [&](size_t k) { return static_cast<uint64_t>(chunks[k].capacity) * element; };
+    auto shard = [&](size_t k) { return bytes(k) / static_cast<uint64_t>(shards); };
+    // The device copy of a host-held compute shard, while its all-gather runs.
+    auto staging = [&](size_t k) { return chunks[k].place.compute == 1 ? shard(k) : 0; };
+    auto kept = [&](size_t k) { return chunks[k].place.kept; };
+    for (const Chunk& c : chunks) largest = std::max(largest, c.capacity);
+
+    if (init_on_device) add(4 * static_cast<uint64_t>(largest));
+    now = 0;
+    for (size_t k = 0; k < n; ++k) {
+      if (kept(k)) {
+        state[k] = kGathered;
+        add(bytes(k));
+      }
+    }
+
+    std::vector<size_t> order;
+    bool recording = true, following = false;
+    size_t cursor = 0;
+    auto follow = [&](size_t k) {
+      if (max_prefetch == 0 && !cache_all) return;
+      if (recording) {
+        order.push_back(k);
+        return;
+      }
+      if (!following) return;
+      if (cursor >= order.size() || order[cursor] != k) {
+        following = false;
+        return;
+      }
+      ++cursor;
+      for (size_t j = cursor; j < std::min(order.size(), cursor + max_prefetch); ++j) {
+        if (state[order[j]] != kReleased) continue;
+        state[order[j]] = kPrefetched;
+        add(bytes(order[j]) + staging(order[j]));
+      }
+    };
+    auto gather = [&](size_t k) {
+      if (state[k] == kGathered) return;
+      if (state[k] == kReleased) add(bytes(k) + staging(k));
+      now -= staging(k);
+      state[k] = kGathered;
+      if (!chunks[k].root && !kept(k)) follow(k);
+    };
+    auto release = [&](size_t k) {
+      if (kept(k) || state[k] == kReleased || cache_all) return;
+      now -= bytes(k) + (state[k] == kPrefetched ? staging(k) : 0);
+      state[k] = kReleased;
+    };
+    auto in_place = [&](size_t k) { return !kept(k) && !cache_all; };
+    auto begin_grads = [&](size_t k) {
+      if (collecting[k]) return;
+      collecting[k] = true;
+      if (!in_place(k)) add(bytes(k));
+    };
+    auto reduce = [&](size_t k) {
+      collecting[k] = false;
+      // In place, the gathered buffer becomes the reduce-scatter's input; else the gradient
+      // buffer does.
+      if (in_place(k)) state[k] = kReleased;
+      const uint64_t part = shards > 1 ? shard(k) : 0;
+      add(part);
+      pending.push_back(bytes(k) + part);
+      while (pending.size() > in_flight) {
+        now -= pending.front();
+        pending.pop_front();
+      }
+    };
+    for (int pass = 0; pass < 2; ++pass) {
+      cursor = 0;
+      following = !recording;
+      for (size_t k = 0; k < n; ++k) {
+        if (chunks[k].root) {
+          gather(k);
+          begin_grads(k);
+        }
+      }
+      for (size_t u = 0; u < chunks_of_unit.size(); ++u) {
+        for (int32_t k : chunks_of_unit[u]) gather(k);
+        for (int32_t k : chunks_of_unit[u]) {
+          if (chunks[k].last_unit == static_cast<int32_t>(u)) release(k);
+        }
+      }
+      for (size_t u = chunks_of_unit.size(); u-- > 0;) {
+        for (int32_t k : chunks_of_unit[u]) {
+          gather(k);
+          begin_grads(k);
+        }
+        for (int32_t k : chunks_of_unit[u]) {
+          if (chunks[k].first_unit != static_cast<int32_t>(u)) continue;
+          if (collecting[k]) reduce(k);
+          release(k);
+        }
+      }
+      for (size_t k = 0; k < n; ++k) {
+        if (collecting[k]) reduce(k);
+        release(k);
+      }
+      for (; !pending.empty(); pending.pop_front()) now -= pending.front();
+      recording = false;
+    }
+    // A checkpoint: one chunk's fp32 values gathered, beside a device copy of its shard.
+    add(4 * static_cast<uint64_t>(largest) * (1 + static_cast<uint64_t>(shards)) /
+        static_cast<uint64_t>(shards));
+    return peak;
+  }
+};
 
 class Gemini {
  public:
@@ -328,10 +573,7 @@ class Gemini {
                   "gemini: plugin.gemini.master_weights = false is not supported: the update "
                   "runs on fp32 master shards; remove the key");
     }
-    chunk_size_ = config.Int("chunk_size");
-    search_range_ = static_cast<int64_t>(std::llround(config.Float("search_range_m") * kMega));
-    min_chunk_ = static_cast<int64_t>(std::llround(config.Float("min_chunk_size_m") * kMega));
-    interval_ = config.Int("hidden_dim") > 0 ? config.Int("hidden_dim") : 1024;
+    sizing_ = ChunkSizing::From(config);
     shard_frac_ = config.Float("shard_param_frac");
     optim_frac_ = config.Float("offload_optim_frac");
     param_frac_ = config.Float("offload_param_frac");
@@ -665,45 +907,135 @@ class Gemini {
     const bool have = args.config != nullptr;
     const uint64_t extra = have ? static_cast<uint64_t>(config.Int("extra_dp_size")) : 1;
     const uint64_t n = std::max<uint64_t>(1, static_cast<uint64_t>(args.world_size) / extra);
-    const double shard_frac = have ? config.Float("shard_param_frac") : 1.0;
-    const double optim_frac = have ? config.Float("offload_optim_frac") : 0.0;
-    const double param_frac = have ? config.Float("offload_param_frac") : 0.0;
-    const double nvme_frac = have ? config.Float("nvme_offload_fraction") : 0.0;
+    const bool auto_policy = have && config.String("placement_policy") == "auto";
+    const Fractions f =
+        !have || auto_policy
+            ? Fractions{}
+            : Fractions{config.Float("shard_param_frac"), config.Float("offload_optim_frac"),
+                        config.Float("offload_param_frac"), config.Float("nvme_offload_fraction")};
     // The masters of the NVMe chunks leave the host too.
-    const double nvme_master = have && config.Bool("nvme_offload_masters") ? 4.0 : 0.0;
+    const bool nvme_masters = have && config.Bool("nvme_offload_masters");
     const uint64_t e = args.precision == CAI_PRECISION_FP32 ? 4 : 2;
+    const uint64_t k = args.optimizer_state_slots;
+    if (have && args.struct_size >= CAI_STRUCT_SIZE(cai_memory_estimate_args, unit_kind) &&
+        args.num_layout_params > 0 && args.param_numel && args.param_unit && args.unit_kind) {
+      EstimateLayout(args, config, f, auto_policy, nvme_masters, n, e, k, out);
+      return;
+    }
+    const double nvme_master = nvme_masters ? 4.0 : 0.0;
     const auto psi = static_cast<double>(args.num_params);
     const double shard = psi / static_cast<double>(n);
-    const double k = args.optimizer_state_slots;
+    const auto slots = static_cast<double>(k);
     // A gathered unit's worth of chunks and the one in its reduce-scatter. The static policy
     // writes the gradients over the gathered parameters; auto, and the kept chunks, give them a
     // buffer of their own beside them in backward.
-    const bool auto_policy = have && config.String("placement_policy") == "auto";
     const double working = (auto_policy ? 3.0 : 2.0) * static_cast<double>(e) *
                            static_cast<double>(args.largest_unit_numel);
-    const double kept = (1 - shard_frac) * e * psi;
-    const double on_host = optim_frac * (8 + 4 * k - (4 * k + nvme_master) * nvme_frac) * shard;
-    const double on_device = (1 - optim_frac) * (8 + 4 * k) * shard;
-    const double compute_copy = (e == 4 ? optim_frac : 1.0) * (1 - param_frac) * e * shard;
+    const double kept = (1 - f.shard) * static_cast<double>(e) * psi;
+    const double on_host = f.optim * (8 + 4 * slots - (4 * slots + nvme_master) * f.nvme) * shard;
+    const double on_device = (1 - f.optim) * (8 + 4 * slots) * shard;
+    const double compute_copy =
+        (e == 4 ? f.optim : 1.0) * (1 - f.param) * static_cast<double>(e) * shard;
     out.master_bytes = e == 4 ? 0 : static_cast<uint64_t>(4 * shard);
-    out.param_bytes = static_cast<uint64_t>(e * shard + kept);
+    out.param_bytes = static_cast<uint64_t>(static_cast<double>(e) * shard + kept);
     out.grad_bytes = static_cast<uint64_t>(4 * shard + working);
-    out.optimizer_state_bytes = static_cast<uint64_t>(4 * k * shard);
+    out.optimizer_state_bytes = static_cast<uint64_t>(4 * slots * shard);
     out.device_bytes = static_cast<uint64_t>(on_device + compute_copy + 2 * kept + working);
-    out.host_bytes = static_cast<uint64_t>(on_host + param_frac * e * shard);
+    out.host_bytes = static_cast<uint64_t>(on_host + f.param * static_cast<double>(e) * shard);
     out.formula =
         "device (1-f_optim)(8+4k)Ψ/G + compute copy eΨ/G of the chunks not on the host + "
         "(1-f_shard)eΨ kept gathered and as much for their gradient + 2e·unit gathered (3e·unit "
         "under auto, whose gradients have a buffer of their own); host f_optim(8 + 4k - (4k + "
-        "m)f_nvme)Ψ/G "
-        "(+ f_param·eΨ/G); NVMe f_optim·f_nvme·(4k + m)Ψ/G (m = 4 with nvme_offload_masters) (G = "
-        "world / extra_dp_size, f = the "
-        "placement fractions)";
+        "m)f_nvme)Ψ/G (+ f_param·eΨ/G); NVMe f_optim·f_nvme·(4k + m)Ψ/G (m = 4 with "
+        "nvme_offload_masters) (G = world / extra_dp_size, f = the placement fractions; no "
+        "chunk layout: the model's parameters are not known before it is built)";
   }
 
  private:
-  static constexpr int kDevice = 0, kHost = 1, kNvme = 2, kBanks = 3;
+  // The estimate from the model's layout: its chunks as boost will cut and place them, each
+  // chunk's state on its tier, and the peak of what the schedule gathers (Schedule).
+  static void EstimateLayout(const cai_memory_estimate_args& args, const cai::sdk::Config& config,
+                             const Fractions& f, bool auto_policy, bool nvme_masters, uint64_t g,
+                             uint64_t e, uint64_t k, cai_memory_estimate& out) {
+    const uint32_t num = args.num_layout_params;
+    std::vector<int32_t> block_of(num, -1);
+    for (uint32_t i = 0; i < num; ++i) {
+      const int32_t u = args.param_unit[i];
+      if (u >= 0 && static_cast<uint32_t>(u) < args.num_layout_units &&
+          args.unit_kind[u] == CAI_UNIT_BLOCK) {
+        block_of[i] = u;
+      }
+    }
+    const std::vector<uint32_t> order = ChunkOrder(block_of, std::vector<bool>(num, true));
+    std::vector<int64_t> sizes;
+    std::vector<bool> root;
+    for (uint32_t i : order) {
+      sizes.push_back(args.param_numel[i]);
+      root.push_back(block_of[i] < 0);
+    }
+    const auto shards = static_cast<int64_t>(g);
+    const Packing packing =
+        Pack(sizes, root, ChunkSizing::From(config).Capacity(sizes, root, shards), shards);
+    const std::vector<Placement> placed = Place(packing.capacity, f, shards, e != 4);
 
+    Schedule schedule;
+    schedule.chunks.resize(packing.capacity.size());
+    schedule.chunks_of_unit.resize(args.num_layout_units);
+    for (size_t j = 0; j < order.size(); ++j) {
+      const auto c = static_cast<int32_t>(packing.chunk_of[j]);
+      Schedule::Chunk& chunk = schedule.chunks[static_cast<size_t>(c)];
+      chunk.root = root[j];
+      if (root[j]) continue;
+      const int32_t u = block_of[order[j]];
+      if (chunk.first_unit < 0) chunk.first_unit = u;
+      chunk.last_unit = u;
+      auto& list = schedule.chunks_of_unit[static_cast<size_t>(u)];
+      if (list.empty() || list.back() != c) list.push_back(c);
+    }
+    uint64_t device = 0, host = 0, shard_sum = 0, kept = 0;
+    for (size_t c = 0; c < placed.size(); ++c) {
+      Schedule::Chunk& chunk = schedule.chunks[c];
+      chunk.capacity = packing.capacity[c];
+      chunk.place = placed[c];
+      const auto s = static_cast<uint64_t>(chunk.capacity) / g;
+      shard_sum += s;
+      if (chunk.place.kept) kept += e * static_cast<uint64_t>(chunk.capacity);
+      // fp32 master, gradient and k slots; NVMe takes the slots (and the master with
+      // nvme_offload_masters) off the host.
+      const uint64_t state = (8 + 4 * k) * s;
+      if (chunk.place.bank == kDevice) {
+        device += state;
+      } else if (chunk.place.bank == kHost) {
+        host += state;
+      } else {
+        host += (nvme_masters ? 4 : 8) * s;
+      }
+      if (chunk.place.compute == 0) device += e * s;
+      if (chunk.place.compute == 1) host += e * s;
+    }
+    schedule.element = e;
+    schedule.shards = shards;
+    schedule.max_prefetch = static_cast<size_t>(config.Int("max_prefetch"));
+    schedule.in_flight = config.Bool("enable_async_reduce") ? 1 : 0;
+    schedule.cache_all = auto_policy;
+    schedule.init_on_device = config.String("chunk_init_device") == "device";
+    const uint64_t transient = schedule.Peak();
+    out.master_bytes = e == 4 ? 0 : 4 * shard_sum;
+    out.param_bytes = e * shard_sum + kept;
+    out.grad_bytes = 4 * shard_sum + (transient > kept ? transient - kept : 0);
+    out.optimizer_state_bytes = 4 * k * shard_sum;
+    out.device_bytes = device + transient;
+    out.host_bytes = host;
+    out.formula =
+        "this model's chunks as boost cuts and places them: each chunk's fp32 master, gradient "
+        "and k optimizer slots (8+4k)·C/G on its tier (NVMe takes the slots, and the master "
+        "with nvme_offload_masters) and its compute copy e·C/G where placed, plus the device's "
+        "peak of gathered chunks, gradient buffers and reduce-scatter buffers over boost, two "
+        "micro-batches (max_prefetch ahead) and a checkpoint (auto: every chunk stays "
+        "gathered, as without a device budget)";
+  }
+
+ private:
   struct Member {
     uint32_t param;
     uint32_t group;
@@ -797,18 +1129,12 @@ class Gemini {
         block_of[info.params[k]] = static_cast<int32_t>(u);
       }
     }
-    std::vector<uint32_t> order;  // root parameters, then block parameters by unit
-    for (int pass = 0; pass < 2; ++pass) {
-      for (uint32_t u = 0; u < (pass == 0 ? 1u : num_units); ++u) {
-        for (uint32_t i = 0; i < num_params; ++i) {
-          const cai_param_info info = ParamInfo(i);
-          if (info.tied_to >= 0 || !(info.flags & CAI_PARAM_REQUIRES_GRAD)) continue;
-          if (pass == 0 ? block_of[i] < 0 : block_of[i] == static_cast<int32_t>(u)) {
-            order.push_back(i);
-          }
-        }
-      }
+    std::vector<bool> trainable(num_params);
+    for (uint32_t i = 0; i < num_params; ++i) {
+      const cai_param_info info = ParamInfo(i);
+      trainable[i] = info.tied_to < 0 && (info.flags & CAI_PARAM_REQUIRES_GRAD);
     }
+    const std::vector<uint32_t> order = ChunkOrder(block_of, trainable);
     for (uint32_t i = 0; i < num_params; ++i) {
       const cai_param_info info = ParamInfo(i);
       if (!SameDtype(info.dtype, kF32) && info.tied_to < 0) {
@@ -831,22 +1157,7 @@ class Gemini {
       psi_ += sizes.back();
     }
     const int64_t g = shards_;
-    int64_t c = 0;
-    if (chunk_size_ > 0) {
-      c = RoundUp(chunk_size_, g);
-    } else {
-      // ColossalAI's search: the least padding over the range, the smallest size among equals.
-      const int64_t lo = RoundUp(std::max<int64_t>(1, std::min(min_chunk_, psi_)), g);
-      const int64_t hi = std::max(lo, RoundUp(std::min(min_chunk_ + search_range_, psi_), g));
-      int64_t best = -1;
-      for (int64_t size = lo; size <= hi; size += RoundUp(interval_, g)) {
-        const int64_t waste = Pack(sizes, root, size, g).waste;
-        if (best < 0 || waste < best) {
-          best = waste;
-          c = size;
-        }
-      }
-    }
+    const int64_t c = sizing_.Capacity(sizes, root, g);
     chunk_capacity_ = c;
     const Packing packing = Pack(sizes, root, c, g);
     chunks_.resize(packing.capacity.size());
@@ -881,42 +1192,17 @@ class Gemini {
 
   // Tiers, by the static policy's fractions of the chunks' capacity, first chunks first.
   void PlaceChunks(bool mixed) {
-    int64_t total = 0;
-    for (const Chunk& c : chunks_) total += c.capacity;
-    auto first = [&](double frac) {
-      std::vector<bool> in(chunks_.size(), false);
-      int64_t before = 0;
-      for (size_t k = 0; k < chunks_.size(); ++k) {
-        in[k] = static_cast<double>(before) < frac * static_cast<double>(total) - 0.5;
-        before += chunks_[k].capacity;
-      }
-      return in;
-    };
-    const std::vector<bool> sharded = first(shard_frac_);
-    const std::vector<bool> offload = first(optim_frac_);
-    const std::vector<bool> host_param = first(param_frac_);
-    // NVMe takes the last nvme_offload_fraction of the offloaded capacity.
-    int64_t offloaded = 0;
-    for (size_t k = 0; k < chunks_.size(); ++k) offloaded += offload[k] ? chunks_[k].capacity : 0;
-    int64_t before = 0;
+    std::vector<int64_t> capacity;
+    for (const Chunk& c : chunks_) capacity.push_back(c.capacity);
+    const std::vector<Placement> placed =
+        Place(capacity, {shard_frac_, optim_frac_, param_frac_, nvme_frac_}, shards_, mixed);
     for (size_t k = 0; k < chunks_.size(); ++k) {
       Chunk& c = chunks_[k];
-      c.kept = !sharded[k] || shards_ == 1;
-      c.bank = kDevice;
-      if (offload[k]) {
-        // The last offloaded chunks until the fraction is reached (rounding up).
-        const bool nvme = nvme_frac_ > 0 && static_cast<double>(offloaded - before - c.capacity) <
-                                                nvme_frac_ * static_cast<double>(offloaded);
-        c.bank = nvme ? kNvme : kHost;
-        before += c.capacity;
-      }
+      c.kept = placed[k].kept;
+      c.bank = placed[k].bank;
+      c.compute = placed[k].compute;
       c.base = banks_[c.bank].numel;
       banks_[c.bank].numel += c.shard;
-      if (host_param[k]) {
-        c.compute = 1;
-      } else if (mixed || c.bank != kDevice) {
-        c.compute = 0;
-      }
       if (c.compute >= 0) {
         c.cbase = compute_numel_[c.compute];
         compute_numel_[c.compute] += c.shard;
@@ -1638,10 +1924,7 @@ class Gemini {
   // Configuration.
   int32_t rank_ = 0;
   int32_t world_ = 1;
-  int64_t chunk_size_ = 0;
-  int64_t search_range_ = 0;
-  int64_t min_chunk_ = 0;
-  int64_t interval_ = 1024;
+  ChunkSizing sizing_;
   double shard_frac_ = 1, optim_frac_ = 0, param_frac_ = 0, nvme_frac_ = 0;
   bool nvme_masters_ = false;
   bool auto_ = false;

@@ -208,9 +208,20 @@ typedef struct cai_memory_estimate_args {
   int32_t world_size;
   cai_precision precision;
   uint32_t optimizer_state_slots; /* fp32 values per element: 2 for Adam, 1 for SGD+momentum */
+  /* since 1.3: the model's parameters as it will register them (tied ones once, before
+   * model.freeze), for strategies whose memory depends on how parameters are laid out (chunks,
+   * buckets): parameter i has param_numel[i] elements and belongs to unit param_unit[i] (-1:
+   * none), unit u is of kind unit_kind[u] (CAI_UNIT_*). The host fills them where it knows the
+   * model before building it (zoo models); num_layout_params = num_layout_units = 0 and NULL
+   * arrays otherwise, and from a 1.1/1.2 host (check CAI_HAS_FIELD(args,
+   * cai_memory_estimate_args, unit_kind)). The arrays live until the call returns. */
+  uint32_t num_layout_params;
+  const int64_t* param_numel;
+  const int32_t* param_unit;
+  uint32_t num_layout_units;
+  const int32_t* unit_kind;
 } cai_memory_estimate_args;
-#define CAI_MEMORY_ESTIMATE_ARGS_STRUCT_SIZE \
-  CAI_STRUCT_SIZE(cai_memory_estimate_args, optimizer_state_slots)
+#define CAI_MEMORY_ESTIMATE_ARGS_STRUCT_SIZE CAI_STRUCT_SIZE(cai_memory_estimate_args, unit_kind)
 
 /* since 1.1: per-rank model-state bytes (parameters, gradients, optimizer state, masters),
  * split by the tier that holds them. */

@@ -37,31 +37,61 @@ std::string FormatBytes(uint64_t b) {
 }
 
 ModelSize ZooModelSize(const ModelConfig& c) {
-  const int64_t e = c.n_embd, b = c.bias ? 1 : 0;
+  // The zoo's construction order (model/zoo.cpp): the embedding unit, one unit per block, the
+  // head; plan_test checks it against the built model parameter by parameter.
+  const int64_t e = c.n_embd;
+  const auto blocks = static_cast<int32_t>(c.n_layer);
+  const int32_t head = blocks + 1;
   ModelSize size;
-  int64_t block = 0, embedding = 0, head = 0;
+  size.unit_kind.assign(static_cast<size_t>(blocks) + 2, CAI_UNIT_BLOCK);
+  size.unit_kind.front() = CAI_UNIT_EMBEDDING;
+  size.unit_kind.back() = CAI_UNIT_HEAD;
+  auto add = [&](int64_t numel, int32_t unit) {
+    size.param_numel.push_back(numel);
+    size.param_unit.push_back(unit);
+  };
+  // A weight, then its bias where the model has biases.
+  auto linear = [&](int64_t out, int64_t in, int32_t unit) {
+    add(out * in, unit);
+    if (c.bias) add(out, unit);
+  };
   if (c.arch == ModelConfig::Arch::kGpt2) {
     const int64_t f = c.ffn_hidden ? c.ffn_hidden : 4 * e;
-    block = 2 * (e + b * e)          // ln_1, ln_2
-            + 3 * e * e + b * 3 * e  // qkv
-            + e * e + b * e          // proj
-            + f * e + b * f          // fc
-            + e * f + b * e;         // mlp proj
-    embedding = c.vocab_size * e + c.n_ctx * e;
-    head = e + b * e;  // ln_f; the output projection is tied to wte
+    add(c.vocab_size * e, 0);  // wte; the output projection is tied to it
+    add(c.n_ctx * e, 0);       // wpe
+    for (int32_t u = 1; u <= blocks; ++u) {
+      linear(e, 1, u);      // ln_1
+      linear(3 * e, e, u);  // qkv
+      linear(e, e, u);      // proj
+      linear(e, 1, u);      // ln_2
+      linear(f, e, u);      // fc
+      linear(e, f, u);      // mlp proj
+    }
+    linear(e, 1, head);  // ln_f
   } else {
     const int64_t f = c.ffn_hidden ? c.ffn_hidden : 256 * ((8 * e / 3 + 255) / 256);
     const int64_t kv = (c.n_kv_head ? c.n_kv_head : c.n_head) * (e / c.n_head);
-    block = 2 * e                    // attn_norm, mlp_norm
-            + 2 * (e * e + b * e)    // q, o
-            + 2 * (kv * e + b * kv)  // k, v
-            + 2 * (f * e + b * f)    // gate, up
-            + e * f + b * e;         // down
-    embedding = c.vocab_size * e;
-    head = e + c.vocab_size * e;  // norm, lm_head (untied)
+    add(c.vocab_size * e, 0);  // embed_tokens
+    for (int32_t u = 1; u <= blocks; ++u) {
+      add(e, u);         // attn_norm
+      linear(e, e, u);   // q
+      linear(kv, e, u);  // k
+      linear(kv, e, u);  // v
+      linear(e, e, u);   // o
+      add(e, u);         // mlp_norm
+      linear(f, e, u);   // gate
+      linear(f, e, u);   // up
+      linear(e, f, u);   // down
+    }
+    add(e, head);                 // norm
+    add(c.vocab_size * e, head);  // lm_head (untied)
   }
-  size.params = embedding + c.n_layer * block + head;
-  size.largest_unit = std::max({embedding, block, head});
+  std::vector<int64_t> per_unit(size.unit_kind.size(), 0);
+  for (size_t i = 0; i < size.param_numel.size(); ++i) {
+    size.params += size.param_numel[i];
+    per_unit[static_cast<size_t>(size.param_unit[i])] += size.param_numel[i];
+  }
+  size.largest_unit = *std::max_element(per_unit.begin(), per_unit.end());
   return size;
 }
 
@@ -134,6 +164,11 @@ MemoryEstimate EstimateMemory(const cai_plugin_api& api, const cai_config& confi
   args.precision = ParsePrecision(GetString(*job.train, "precision"));
   args.optimizer_state_slots =
       kind == "sgd" ? (GetFloat(*job.optimizer, "momentum") > 0 ? 1 : 0) : 2;
+  args.num_layout_params = static_cast<uint32_t>(size.param_numel.size());
+  args.param_numel = size.param_numel.data();
+  args.param_unit = size.param_unit.data();
+  args.num_layout_units = static_cast<uint32_t>(size.unit_kind.size());
+  args.unit_kind = size.unit_kind.data();
   cai_memory_estimate out{};
   out.struct_size = CAI_MEMORY_ESTIMATE_STRUCT_SIZE;
   ThrowIfError(api.estimate_memory(&args, &out));

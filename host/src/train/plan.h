@@ -14,11 +14,16 @@
 
 namespace cai {
 
-// Trainable elements (Ψ) and the largest unit of a zoo model, from its config alone (no
-// weights are allocated, so a 70B plan costs nothing).
+// Trainable elements (Ψ), the largest unit and the layout of a zoo model, from its config
+// alone (no weights are allocated, so a 70B plan costs nothing): every parameter's elements
+// and unit in the zoo's registration order, and every unit's kind (CAI_UNIT_*), as
+// cai_memory_estimate_args passes them to a strategy.
 struct ModelSize {
   int64_t params = 0;
   int64_t largest_unit = 0;
+  std::vector<int64_t> param_numel;
+  std::vector<int32_t> param_unit;
+  std::vector<int32_t> unit_kind;
 };
 ModelSize ZooModelSize(const ModelConfig& config);
 

@@ -330,6 +330,9 @@ class Run {
   std::unique_ptr<Model> model_;
   std::unique_ptr<Optimizer> optimizer_;
   Strategy strategy_;
+  // The strategy's own estimate (rank 0, which prints it), beside the measured peaks in
+  // summary.json.
+  std::optional<RunSummary::Memory> memory_estimate_;
   Layout layout_;
   std::unique_ptr<cai_config> plugin_config_;
   cai_strategy* instance_ = nullptr;
@@ -781,6 +784,7 @@ RunSummary Run::Summary() {
       const MemoryEstimate e = EstimateMemory(
           *api, *plugin_config_, job_, ZooModelSize(ZooModelConfig(*job_.model)), env_.world_size);
       s.memory = RunSummary::Memory{e.device_bytes, e.host_bytes, e.formula};
+      memory_estimate_ = s.memory;
     } catch (const Error& e) {
       // The estimate only informs the summary; training does not depend on it.
       Log(CAI_LOG_WARN, "",
@@ -935,8 +939,16 @@ void Run::WriteSummary(double wall_s) {
                                           .Add("optimizer_state", stats.optimizer_state_bytes)
                                           .Add("master", stats.master_bytes)
                                           .str())
-      .Add("comm_bytes_basis", "mean over " + std::to_string(comm_steps_) + " optimizer steps")
-      .AddRaw("ranks", JsonArray(ranks));
+      .Add("comm_bytes_basis", "mean over " + std::to_string(comm_steps_) + " optimizer steps");
+  if (memory_estimate_) {
+    summary.AddRaw("memory_estimate_per_rank",
+                   JsonObject()
+                       .Add("device_bytes", memory_estimate_->device_bytes)
+                       .Add("host_bytes", memory_estimate_->host_bytes)
+                       .Add("formula", memory_estimate_->formula)
+                       .str());
+  }
+  summary.AddRaw("ranks", JsonArray(ranks));
   std::ofstream(run_dir_ / "summary.json") << summary.str() << "\n";
 }
 

@@ -19,27 +19,45 @@ namespace {
 
 using cai::testing::RunCommand;
 
-int64_t BuiltParams(const cai::ModelConfig& config) {
-  auto model = cai::MakeZooModel(config, 1);
-  int64_t total = 0;
-  for (uint32_t i = 0; i < model->NumParams(); ++i) total += model->ParamInfo(i).numel;
-  return total;
-}
-
-TEST(Plan, ZooModelSize_EqualsTheBuiltModelsParameterCount) {
+// ZooModelSize, from the config alone, is the built model parameter by parameter: the count
+// (Ψ), and the layout estimate_memory receives (each parameter's elements and unit, each unit's
+// kind), for both architectures with and without biases, GQA and a given MLP width included.
+TEST(Plan, ZooModelSize_IsTheBuiltModelParameterByParameter) {
   for (auto arch : {cai::ModelConfig::Arch::kGpt2, cai::ModelConfig::Arch::kLlama}) {
     for (bool bias : {true, false}) {
-      cai::ModelConfig c;
-      c.arch = arch;
-      c.vocab_size = 300;
-      c.n_ctx = 40;
-      c.n_layer = 3;
-      c.n_head = 4;
-      c.n_kv_head = arch == cai::ModelConfig::Arch::kLlama ? 2 : 0;
-      c.n_embd = 64;
-      c.bias = bias;
-      EXPECT_EQ(cai::ZooModelSize(c).params, BuiltParams(c))
-          << (arch == cai::ModelConfig::Arch::kGpt2 ? "gpt2" : "llama") << " bias=" << bias;
+      for (int64_t ffn : {0, 96}) {
+        cai::ModelConfig c;
+        c.arch = arch;
+        c.vocab_size = 300;
+        c.n_ctx = 40;
+        c.n_layer = 3;
+        c.n_head = 4;
+        c.n_kv_head = arch == cai::ModelConfig::Arch::kLlama ? 2 : 0;
+        c.n_embd = 64;
+        c.ffn_hidden = ffn;
+        c.bias = bias;
+        const std::string what =
+            std::string(arch == cai::ModelConfig::Arch::kGpt2 ? "gpt2" : "llama") +
+            " bias=" + std::to_string(bias) + " ffn_hidden=" + std::to_string(ffn);
+        const cai::ModelSize size = cai::ZooModelSize(c);
+        auto model = cai::MakeZooModel(c, 1);
+        int64_t total = 0;
+        std::vector<int64_t> numel;
+        std::vector<int32_t> unit;
+        for (uint32_t i = 0; i < model->NumParams(); ++i) {
+          const cai_param_info info = model->ParamInfo(i);
+          total += info.numel;
+          if (info.tied_to >= 0) continue;
+          numel.push_back(info.numel);
+          unit.push_back(info.unit);
+        }
+        EXPECT_EQ(size.params, total) << what;
+        EXPECT_EQ(size.param_numel, numel) << what;
+        EXPECT_EQ(size.param_unit, unit) << what;
+        std::vector<int32_t> kinds;
+        for (uint32_t u = 0; u < model->NumUnits(); ++u) kinds.push_back(model->UnitInfo(u).kind);
+        EXPECT_EQ(size.unit_kind, kinds) << what;
+      }
     }
   }
 }

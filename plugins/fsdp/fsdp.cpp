@@ -490,6 +490,11 @@ class Fsdp {
 
   static void EstimateMemory(const cai_memory_estimate_args& args, cai_memory_estimate& out) {
     const cai::sdk::Config config(args.config);
+    if (args.config && args.num_layout_params > 0 && args.param_numel && args.param_unit &&
+        args.unit_kind) {
+      EstimateLayout(args, config, out);
+      return;
+    }
     const std::string strategy = args.config ? config.String("sharding_strategy") : "FULL_SHARD";
     uint64_t n = static_cast<uint64_t>(std::max(args.world_size, 1));
     if (strategy == "NO_SHARD") n = 1;
@@ -523,10 +528,158 @@ class Fsdp {
     out.formula =
         "(4 + 4 + 4k)Ψ/G (+ eΨ/G compute copy) + 3·e·unit: fp32 shards, k state "
         "slots, a gathered unit, its gradient and the previous unit's in its reduce-scatter "
-        "(G = shard group)";
+        "(G = shard group; no layout: the model's parameters are not known before it is built)";
   }
 
  private:
+  // The estimate from the model's layout: its units as PlanUnits will wrap them, this rank's
+  // shards of them, and the most the device pool holds beyond those while the hooks below run
+  // over one micro-batch, with boost and a full checkpoint around it (each a unit at a time).
+  static void EstimateLayout(const cai_memory_estimate_args& args, const cai::sdk::Config& config,
+                             cai_memory_estimate& out) {
+    const std::string strategy = config.String("sharding_strategy");
+    const bool sharded = strategy != "NO_SHARD";
+    const bool full_shard = strategy == "FULL_SHARD" || strategy == "HYBRID_SHARD";
+    int64_t g = sharded ? std::max(args.world_size, 1) : 1;
+    if (strategy == "HYBRID_SHARD" && config.Int("shard_group_size") > 0) {
+      g = config.Int("shard_group_size");
+    }
+    const std::string wrap = config.String("auto_wrap");
+    const int64_t min_num_params = config.Int("min_num_params");
+    const bool offload = config.Bool("cpu_offload");
+    const uint64_t e = args.precision == CAI_PRECISION_FP32 ? 4 : 2;
+    const std::string reduce = config.String("reduce_dtype");
+    const uint64_t er = reduce == "param" ? e : reduce == "fp32" ? 4 : 2;
+    const uint64_t k = args.optimizer_state_slots;
+
+    // Units: the root (everything outside a wrapped block) first, then the blocks' (merged up
+    // to min_num_params under "size"), by model unit.
+    struct Span {
+      int64_t numel = 0;
+      int32_t first = -1, last = -1;
+    };
+    std::vector<Span> units(1);
+    std::vector<int64_t> owned(args.num_layout_units, 0);
+    for (uint32_t i = 0; i < args.num_layout_params; ++i) {
+      const int32_t u = args.param_unit[i];
+      const bool block = u >= 0 && static_cast<uint32_t>(u) < args.num_layout_units &&
+                         args.unit_kind[u] == CAI_UNIT_BLOCK;
+      if (wrap != "none" && block) {
+        owned[static_cast<size_t>(u)] += args.param_numel[i];
+      } else {
+        units[0].numel += args.param_numel[i];
+      }
+    }
+    std::vector<int32_t> unit_of(args.num_layout_units, -1);
+    for (uint32_t u = 0; u < args.num_layout_units; ++u) {
+      if (owned[u] == 0) continue;
+      if (!(wrap == "size" && units.size() > 1 && units.back().numel < min_num_params)) {
+        units.push_back({0, static_cast<int32_t>(u), -1});
+      }
+      units.back().last = static_cast<int32_t>(u);
+      units.back().numel += owned[u];
+      unit_of[u] = static_cast<int32_t>(units.size() - 1);
+    }
+    uint64_t shard_sum = 0, largest_full = 0;
+    std::vector<uint64_t> full(units.size());
+    for (size_t j = 0; j < units.size(); ++j) {
+      const auto shard = static_cast<uint64_t>((units[j].numel + g - 1) / g);
+      full[j] = shard * static_cast<uint64_t>(g);
+      shard_sum += shard;
+      largest_full = std::max(largest_full, full[j]);
+    }
+
+    cai::sdk::MemoryReplay pool(config.Bool("async_reduce_scatter") ? 1 : 0);
+    for (size_t j = 0; j < units.size(); ++j) {
+      if (units[j].numel > 0) pool.Passing(4 * full[j]);  // boost: the flat fp32 unit
+    }
+    enum State { kReleased, kPrefetched, kGathered };
+    std::vector<State> state(units.size(), kReleased);
+    std::vector<bool> grads(units.size(), false);
+    const auto limit = config.Int("prefetch_limit");
+    auto gather = [&](size_t j) {
+      if (!sharded || state[j] == kGathered || units[j].numel == 0) return;
+      if (state[j] == kReleased) pool.Add(e * full[j]);
+      state[j] = kGathered;
+    };
+    auto release = [&](size_t j) {
+      if (!sharded || state[j] == kReleased) return;
+      pool.Free(e * full[j]);
+      state[j] = kReleased;
+    };
+    auto prefetch = [&](int64_t from, int dir) {
+      for (int64_t j = from, n = 0; n < limit; j += dir, ++n) {
+        if (j < 1 || j >= static_cast<int64_t>(units.size())) return;
+        const auto u = static_cast<size_t>(j);
+        if (!sharded || g == 1 || state[u] != kReleased || units[u].numel == 0) continue;
+        state[u] = kPrefetched;
+        pool.Add(e * full[u]);
+      }
+    };
+    auto begin_grads = [&](size_t j) {
+      if (grads[j] || units[j].numel == 0) return;
+      grads[j] = true;
+      pool.Add(e * full[j]);
+    };
+    auto reduce_grads = [&](size_t j) {
+      grads[j] = false;
+      if (er != e) {  // converted to the reduce dtype before the gradient buffer goes
+        pool.Add(er * full[j]);
+        pool.Free(e * full[j]);
+      }
+      pool.Reduce(er * full[j], g > 1 ? er * full[j] / static_cast<uint64_t>(g) : 0);
+    };
+    const bool forward_prefetch = config.Bool("forward_prefetch");
+    const std::string backward_prefetch = config.String("backward_prefetch");
+    gather(0);
+    begin_grads(0);
+    for (size_t m = 0; m < unit_of.size(); ++m) {
+      if (unit_of[m] < 0) continue;
+      const auto j = static_cast<size_t>(unit_of[m]);
+      gather(j);
+      if (forward_prefetch && units[j].first == static_cast<int32_t>(m)) {
+        prefetch(unit_of[m] + 1, +1);
+      }
+      if (units[j].last == static_cast<int32_t>(m) && full_shard) release(j);
+    }
+    for (size_t m = unit_of.size(); m-- > 0;) {
+      if (unit_of[m] < 0) continue;
+      const auto j = static_cast<size_t>(unit_of[m]);
+      gather(j);
+      if (backward_prefetch == "pre" && full_shard && units[j].last == static_cast<int32_t>(m)) {
+        prefetch(unit_of[m] - 1, -1);
+      }
+      begin_grads(j);
+      if (units[j].first != static_cast<int32_t>(m)) continue;
+      if (grads[j]) reduce_grads(j);
+      release(j);
+      if (backward_prefetch == "post" && full_shard) prefetch(unit_of[m] - 1, -1);
+    }
+    for (size_t j = 0; j < units.size(); ++j) {
+      if (grads[j]) reduce_grads(j);
+      release(j);
+    }
+    pool.Finish();
+    if (config.String("state_dict_type") == "full") {  // a unit gathered in fp32 at a time
+      pool.Passing(4 * largest_full + (offload ? 4 * largest_full / static_cast<uint64_t>(g) : 0));
+    }
+
+    const uint64_t states = (8 + 4 * k) * shard_sum;
+    const uint64_t compute_copy = e != 4 || offload ? e * shard_sum : 0;
+    out.master_bytes = e == 4 ? 0 : 4 * shard_sum;
+    out.param_bytes = (e == 4 ? 4 : e + 4) * shard_sum;
+    out.grad_bytes = 4 * shard_sum + pool.peak();
+    out.optimizer_state_bytes = 4 * k * shard_sum;
+    out.device_bytes = (offload ? 0 : states) + compute_copy + pool.peak();
+    out.host_bytes = offload ? states : 0;
+    out.formula =
+        "this model's units as boost wraps them: fp32 shards (4 + 4 + 4k)·S (on the host with "
+        "cpu_offload) and the compute copy e·S, S = Σ ceil(Ψ_u/G), plus the device's peak of "
+        "gathered units, gradient buffers and reduce-scatter buffers over boost, one micro-batch "
+        "with the prefetch set, and a full checkpoint (gradient accumulation's no_sync keeps "
+        "every unit's gradient besides: eΨ more)";
+  }
+
   enum class Wrap { kBlock, kSize, kNone };
   enum class Prefetch { kNone, kPre, kPost };
 

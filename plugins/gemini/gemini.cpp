@@ -89,7 +89,6 @@
 #include <cai/sdk/sharding.hpp>
 #include <cai/sdk/step.hpp>
 #include <cmath>
-#include <deque>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -301,26 +300,20 @@ struct Schedule {
     enum State { kReleased, kPrefetched, kGathered };
     std::vector<State> state(n, kReleased);
     std::vector<bool> collecting(n, false);
-    std::deque<uint64_t> pending;  // queued reduce-scatters' input and output bytes
-    uint64_t now = 0, peak = 0;
-    int64_t largest = 0;
-    auto add = [&](uint64_t b) {
-      now += b;
-      peak = std::max(peak, now);
-    };
+    cai::sdk::MemoryReplay pool(in_flight);
     auto bytes = [&](size_t k) { return static_cast<uint64_t>(chunks[k].capacity) * element; };
     auto shard = [&](size_t k) { return bytes(k) / static_cast<uint64_t>(shards); };
     // The device copy of a host-held compute shard, while its all-gather runs.
     auto staging = [&](size_t k) { return chunks[k].place.compute == 1 ? shard(k) : 0; };
     auto kept = [&](size_t k) { return chunks[k].place.kept; };
-    for (const Chunk& c : chunks) largest = std::max(largest, c.capacity);
+    uint64_t largest = 0;  // elements
+    for (const Chunk& c : chunks) largest = std::max(largest, static_cast<uint64_t>(c.capacity));
 
-    if (init_on_device) add(4 * static_cast<uint64_t>(largest));
-    now = 0;
+    if (init_on_device) pool.Passing(4 * largest);
     for (size_t k = 0; k < n; ++k) {
       if (kept(k)) {
         state[k] = kGathered;
-        add(bytes(k));
+        pool.Add(bytes(k));
       }
     }
 
@@ -342,39 +335,33 @@ struct Schedule {
       for (size_t j = cursor; j < std::min(order.size(), cursor + max_prefetch); ++j) {
         if (state[order[j]] != kReleased) continue;
         state[order[j]] = kPrefetched;
-        add(bytes(order[j]) + staging(order[j]));
+        pool.Add(bytes(order[j]) + staging(order[j]));
       }
     };
     auto gather = [&](size_t k) {
       if (state[k] == kGathered) return;
-      if (state[k] == kReleased) add(bytes(k) + staging(k));
-      now -= staging(k);
+      if (state[k] == kReleased) pool.Add(bytes(k) + staging(k));
+      pool.Free(staging(k));
       state[k] = kGathered;
       if (!chunks[k].root && !kept(k)) follow(k);
     };
     auto release = [&](size_t k) {
       if (kept(k) || state[k] == kReleased || cache_all) return;
-      now -= bytes(k) + (state[k] == kPrefetched ? staging(k) : 0);
+      pool.Free(bytes(k) + (state[k] == kPrefetched ? staging(k) : 0));
       state[k] = kReleased;
     };
     auto in_place = [&](size_t k) { return !kept(k) && !cache_all; };
     auto begin_grads = [&](size_t k) {
       if (collecting[k]) return;
       collecting[k] = true;
-      if (!in_place(k)) add(bytes(k));
+      if (!in_place(k)) pool.Add(bytes(k));
     };
     auto reduce = [&](size_t k) {
       collecting[k] = false;
       // In place, the gathered buffer becomes the reduce-scatter's input; else the gradient
       // buffer does.
       if (in_place(k)) state[k] = kReleased;
-      const uint64_t part = shards > 1 ? shard(k) : 0;
-      add(part);
-      pending.push_back(bytes(k) + part);
-      while (pending.size() > in_flight) {
-        now -= pending.front();
-        pending.pop_front();
-      }
+      pool.Reduce(bytes(k), shards > 1 ? shard(k) : 0);
     };
     for (int pass = 0; pass < 2; ++pass) {
       cursor = 0;
@@ -406,13 +393,12 @@ struct Schedule {
         if (collecting[k]) reduce(k);
         release(k);
       }
-      for (; !pending.empty(); pending.pop_front()) now -= pending.front();
+      pool.Finish();
       recording = false;
     }
     // A checkpoint: one chunk's fp32 values gathered, beside a device copy of its shard.
-    add(4 * static_cast<uint64_t>(largest) * (1 + static_cast<uint64_t>(shards)) /
-        static_cast<uint64_t>(shards));
-    return peak;
+    pool.Passing(4 * largest + 4 * largest / static_cast<uint64_t>(shards));
+    return pool.peak();
   }
 };
 
@@ -917,8 +903,10 @@ class Gemini {
     const bool nvme_masters = have && config.Bool("nvme_offload_masters");
     const uint64_t e = args.precision == CAI_PRECISION_FP32 ? 4 : 2;
     const uint64_t k = args.optimizer_state_slots;
-    if (have && args.struct_size >= CAI_STRUCT_SIZE(cai_memory_estimate_args, unit_kind) &&
-        args.num_layout_params > 0 && args.param_numel && args.param_unit && args.unit_kind) {
+    // The SDK hands over the arguments zero-filled past what the host sent: an older host's
+    // layout is empty.
+    if (have && args.num_layout_params > 0 && args.param_numel && args.param_unit &&
+        args.unit_kind) {
       EstimateLayout(args, config, f, auto_policy, nvme_masters, n, e, k, out);
       return;
     }

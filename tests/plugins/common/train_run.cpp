@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "checkpoint/rank_file.h"
 
 namespace cai::testing {
@@ -76,6 +78,23 @@ void ExpectWireBytes(const TrainRun& run, const std::string& op, double factor) 
     const double algorithm = factor * handed[r];
     EXPECT_GE(wire[r], 0.999 * algorithm) << op << " on rank " << r << ", handed " << handed[r];
     EXPECT_LE(wire[r], 1.05 * algorithm) << op << " on rank " << r << ", handed " << handed[r];
+  }
+}
+
+bool Mentions(const std::vector<std::string>& sets, const std::string& part) {
+  return std::any_of(sets.begin(), sets.end(),
+                     [&](const std::string& s) { return s.find(part) != std::string::npos; });
+}
+
+void ExpectEstimateIsTheDevicePeak(const TrainRun& run) {
+  if (run.exit_code != 0) return;
+  const std::vector<double> estimate = PerRank(run, "memory_estimate_per_rank", "device_bytes");
+  ASSERT_EQ(estimate.size(), 1u) << run.summary;
+  const std::vector<double> peaks = PerRank(run, "peak_bytes", "device");
+  ASSERT_FALSE(peaks.empty()) << run.summary;
+  for (size_t r = 0; r < peaks.size(); ++r) {
+    EXPECT_GE(peaks[r], estimate[0]) << "rank " << r << "\n" << run.summary;
+    EXPECT_LE(peaks[r], estimate[0] + 64) << "rank " << r << "\n" << run.summary;
   }
 }
 

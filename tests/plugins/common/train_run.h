@@ -43,6 +43,15 @@ std::vector<double> PerRank(const TrainRun& run, const std::string& object,
 // reduce-scatter done as an all-reduce sends twice (N-1)/N of its input and fails.
 void ExpectWireBytes(const TrainRun& run, const std::string& op, double factor);
 
+// Whether any of the --set arguments `sets` contains `part` ("model.freeze").
+bool Mentions(const std::vector<std::string>& sets, const std::string& part);
+
+// Expects the strategy's estimate_memory (summary.json's memory_estimate_per_rank, what `cai
+// plan` shows) to be every rank's measured device pool peak, up to the few bytes the pool
+// counts for empty buffers (64 B allowed): for strategies that size their own layout from the
+// model's and replay their schedule's buffers. Nothing to check for a run that failed.
+void ExpectEstimateIsTheDevicePeak(const TrainRun& run);
+
 // A tensor of a checkpoint as fp32; a test failure (and nothing) when there is none.
 std::vector<float> ReadCheckpointTensor(const std::filesystem::path& checkpoint,
                                         const std::string& name);

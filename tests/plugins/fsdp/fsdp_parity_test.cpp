@@ -67,16 +67,23 @@ void ExpectParity(const TrainRun& ref, const TrainRun& run, double rtol) {
 }
 
 // An fsdp run; its checkpoint is the consolidated one (state_dict_type = full) unless `sets`
-// asks otherwise, so it compares with the reference's tensor by tensor.
+// asks otherwise, so it compares with the reference's tensor by tensor. Its memory estimate
+// is its device peak (train_run.h), except where the layout lists more than trains
+// (model.freeze) or no_sync keeps every unit's gradient (train.grad_accum), which no estimate
+// is told of, and for TorchScript models, whose layout is unknown before they load.
 TrainRun Fsdp(const std::string& name, int nproc, const std::string& strategy,
               std::vector<std::string> sets) {
-  const bool chooses = std::any_of(sets.begin(), sets.end(), [](const std::string& s) {
-    return s.find("state_dict_type") != std::string::npos;
-  });
+  const bool chooses = cai::testing::Mentions(sets, "state_dict_type");
   sets.push_back("plugin.name=fsdp");
   sets.push_back("plugin.fsdp.sharding_strategy=" + strategy);
   if (!chooses) sets.push_back("plugin.fsdp.state_dict_type=full");
-  return Train(name + "_" + std::to_string(nproc), nproc, sets);
+  TrainRun run = Train(name + "_" + std::to_string(nproc), nproc, sets);
+  if (!cai::testing::Mentions(sets, "model.freeze") &&
+      !cai::testing::Mentions(sets, "train.grad_accum") &&
+      !cai::testing::Mentions(sets, "model.kind=torchscript")) {
+    cai::testing::ExpectEstimateIsTheDevicePeak(run);
+  }
+  return run;
 }
 
 // 16-bit training against the reference in the same precision: the reference reduces

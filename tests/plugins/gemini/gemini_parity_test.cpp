@@ -55,30 +55,16 @@ const TrainRun& Reference(const std::vector<std::string>& sets) {
   return it->second;
 }
 
-bool Sets(const std::vector<std::string>& sets, const std::string& part) {
-  return std::any_of(sets.begin(), sets.end(),
-                     [&](const std::string& s) { return s.find(part) != std::string::npos; });
-}
-
-// The plugin's estimate_memory (summary.json's memory_estimate_per_rank, what `cai plan`
-// shows), sized from the model's layout, is the device pool's measured peak on every rank, up
-// to the few bytes the pool counts for empty buffers (64 B allowed): the chunks as boost cuts
-// and places them and the schedule's buffers replayed one by one. Not where the layout lists
-// more than trains (model.freeze: frozen parameters stay out of the chunks) nor under auto with
-// a device budget (its cache fills what the budget leaves, which no estimate knows).
+// Where the plugin's estimate is its device peak (train_run.h): not where the layout lists
+// more than trains (model.freeze: frozen parameters stay out of the chunks), nor under auto
+// with a device budget (its cache fills what the budget leaves, which no estimate knows).
 void ExpectEstimateIsTheDevicePeak(const TrainRun& run, const std::vector<std::string>& sets) {
-  if (run.exit_code != 0 || Sets(sets, "model.freeze") ||
-      (Sets(sets, "placement_policy=auto") && Sets(sets, "memory.device_budget"))) {
+  if (cai::testing::Mentions(sets, "model.freeze") ||
+      (cai::testing::Mentions(sets, "placement_policy=auto") &&
+       cai::testing::Mentions(sets, "memory.device_budget"))) {
     return;
   }
-  const std::vector<double> estimate = PerRank(run, "memory_estimate_per_rank", "device_bytes");
-  ASSERT_EQ(estimate.size(), 1u) << run.summary;
-  const std::vector<double> peaks = PerRank(run, "peak_bytes", "device");
-  ASSERT_FALSE(peaks.empty()) << run.summary;
-  for (size_t r = 0; r < peaks.size(); ++r) {
-    EXPECT_GE(peaks[r], estimate[0]) << "rank " << r << "\n" << run.summary;
-    EXPECT_LE(peaks[r], estimate[0] + 64) << "rank " << r << "\n" << run.summary;
-  }
+  cai::testing::ExpectEstimateIsTheDevicePeak(run);
 }
 
 // A gemini run with 5000-element chunks and NVMe files under the test's folder; its memory

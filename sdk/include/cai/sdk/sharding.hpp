@@ -6,9 +6,13 @@
 //               shard group (left running behind compute, a bounded number at a time), then
 //               all-reduce over the replica group.
 // UnitHooks     one callback for every unit hook and GRAD_READY, removed with the object.
+// MemoryReplay  a schedule's device buffers replayed for estimate_memory, with a
+//               ShardReducer's queue.
 #ifndef CAI_SDK_SHARDING_HPP_
 #define CAI_SDK_SHARDING_HPP_
 
+#include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <utility>
@@ -159,6 +163,46 @@ class ShardReducer {
   size_t in_flight_ = 0;
   OverlapMeter* meter_ = nullptr;
   std::deque<Pending> pending_;
+};
+
+// A strategy's device buffers replayed allocation by allocation for its memory estimate: what
+// is held now, the most ever held, and the reductions a ShardReducer keeps (each its input,
+// handed over while held, and its output), completed oldest first past `in_flight` as
+// ShardReducer::Reduce and Finish complete them.
+class MemoryReplay {
+ public:
+  explicit MemoryReplay(size_t in_flight) : in_flight_(in_flight) {}
+
+  void Add(uint64_t bytes) {
+    now_ += bytes;
+    if (now_ > peak_) peak_ = now_;
+  }
+  void Free(uint64_t bytes) { now_ -= bytes; }
+  // A buffer that lives for a moment (a staging copy, one chunk of a checkpoint).
+  void Passing(uint64_t bytes) {
+    Add(bytes);
+    Free(bytes);
+  }
+  // Hands `input` bytes, already held, to a reduction whose output takes `output` more.
+  void Reduce(uint64_t input, uint64_t output) {
+    Add(output);
+    pending_.push_back(input + output);
+    while (pending_.size() > in_flight_) Complete();
+  }
+  void Finish() {
+    while (!pending_.empty()) Complete();
+  }
+  uint64_t peak() const { return peak_; }
+
+ private:
+  void Complete() {
+    Free(pending_.front());
+    pending_.pop_front();
+  }
+
+  size_t in_flight_;
+  uint64_t now_ = 0, peak_ = 0;
+  std::deque<uint64_t> pending_;
 };
 
 // Adds `summed` (a ShardReducer's result, s elements on the device, in `on`) into `shard`, s

@@ -134,6 +134,28 @@ cai_tensor View(const Buffer& base, cai_dtype dtype, int64_t offset, const int64
   return FlatView(base, dtype, static_cast<size_t>(offset), const_cast<int64_t*>(numel));
 }
 
+// FSDP's wrapping of model units, from the elements of the trainable parameters each would
+// wrap (`owned`, 0 for none): unit 0 is the root; a model unit with parameters starts a unit
+// of its own or, with `by_size` (auto_wrap = "size"), joins the last one while that holds
+// fewer than `min_num_params`. Returns each model unit's FSDP unit, -1 for one without
+// parameters.
+std::vector<int32_t> WrapUnits(const std::vector<int64_t>& owned, bool by_size,
+                               int64_t min_num_params) {
+  std::vector<int32_t> unit_of(owned.size(), -1);
+  int32_t last = 0;
+  int64_t held = 0;
+  for (size_t u = 0; u < owned.size(); ++u) {
+    if (owned[u] == 0) continue;
+    if (!(by_size && last > 0 && held < min_num_params)) {
+      ++last;
+      held = 0;
+    }
+    held += owned[u];
+    unit_of[u] = last;
+  }
+  return unit_of;
+}
+
 class Fsdp {
  public:
   static constexpr const char* kName = "fsdp";
@@ -490,16 +512,15 @@ class Fsdp {
 
   static void EstimateMemory(const cai_memory_estimate_args& args, cai_memory_estimate& out) {
     const cai::sdk::Config config(args.config);
-    if (args.config && args.num_layout_params > 0 && args.param_numel && args.param_unit &&
-        args.unit_kind) {
-      EstimateLayout(args, config, out);
-      return;
-    }
     const std::string strategy = args.config ? config.String("sharding_strategy") : "FULL_SHARD";
     uint64_t n = static_cast<uint64_t>(std::max(args.world_size, 1));
     if (strategy == "NO_SHARD") n = 1;
     if (strategy == "HYBRID_SHARD" && config.Int("shard_group_size") > 0) {
       n = static_cast<uint64_t>(config.Int("shard_group_size"));
+    }
+    if (args.config && cai::sdk::HasLayout(args)) {
+      EstimateLayout(args, config, strategy, static_cast<int64_t>(n), out);
+      return;
     }
     const uint64_t e = args.precision == CAI_PRECISION_FP32 ? 4 : 2;
     const uint64_t shard = (static_cast<uint64_t>(args.num_params) + n - 1) / n;
@@ -535,17 +556,12 @@ class Fsdp {
   // The estimate from the model's layout: its units as PlanUnits will wrap them, this rank's
   // shards of them, and the most the device pool holds beyond those while the hooks below run
   // over one micro-batch, with boost and a full checkpoint around it (each a unit at a time).
+  // `g`: the shard group's ranks.
   static void EstimateLayout(const cai_memory_estimate_args& args, const cai::sdk::Config& config,
-                             cai_memory_estimate& out) {
-    const std::string strategy = config.String("sharding_strategy");
+                             const std::string& strategy, int64_t g, cai_memory_estimate& out) {
     const bool sharded = strategy != "NO_SHARD";
     const bool full_shard = strategy == "FULL_SHARD" || strategy == "HYBRID_SHARD";
-    int64_t g = sharded ? std::max(args.world_size, 1) : 1;
-    if (strategy == "HYBRID_SHARD" && config.Int("shard_group_size") > 0) {
-      g = config.Int("shard_group_size");
-    }
     const std::string wrap = config.String("auto_wrap");
-    const int64_t min_num_params = config.Int("min_num_params");
     const bool offload = config.Bool("cpu_offload");
     const uint64_t e = args.precision == CAI_PRECISION_FP32 ? 4 : 2;
     const std::string reduce = config.String("reduce_dtype");
@@ -560,25 +576,23 @@ class Fsdp {
     };
     std::vector<Span> units(1);
     std::vector<int64_t> owned(args.num_layout_units, 0);
+    const std::vector<int32_t> block_of = cai::sdk::LayoutBlocks(args);
     for (uint32_t i = 0; i < args.num_layout_params; ++i) {
-      const int32_t u = args.param_unit[i];
-      const bool block = u >= 0 && static_cast<uint32_t>(u) < args.num_layout_units &&
-                         args.unit_kind[u] == CAI_UNIT_BLOCK;
-      if (wrap != "none" && block) {
-        owned[static_cast<size_t>(u)] += args.param_numel[i];
+      if (wrap != "none" && block_of[i] >= 0) {
+        owned[static_cast<size_t>(block_of[i])] += args.param_numel[i];
       } else {
         units[0].numel += args.param_numel[i];
       }
     }
-    std::vector<int32_t> unit_of(args.num_layout_units, -1);
+    const std::vector<int32_t> unit_of =
+        WrapUnits(owned, wrap == "size", config.Int("min_num_params"));
     for (uint32_t u = 0; u < args.num_layout_units; ++u) {
-      if (owned[u] == 0) continue;
-      if (!(wrap == "size" && units.size() > 1 && units.back().numel < min_num_params)) {
+      if (unit_of[u] < 0) continue;
+      if (static_cast<size_t>(unit_of[u]) == units.size()) {
         units.push_back({0, static_cast<int32_t>(u), -1});
       }
       units.back().last = static_cast<int32_t>(u);
       units.back().numel += owned[u];
-      unit_of[u] = static_cast<int32_t>(units.size() - 1);
     }
     uint64_t shard_sum = 0, largest_full = 0;
     std::vector<uint64_t> full(units.size());
@@ -760,15 +774,17 @@ class Fsdp {
       }
     }
     // Model units in order, grouped into FSDP units (one each, or merged up to the size).
-    unit_of_model_unit_.assign(num_units, -1);
+    std::vector<int64_t> owned_numel(num_units, 0);
     for (uint32_t u = 0; u < num_units; ++u) {
-      if (owned[u].empty()) continue;
+      for (uint32_t i : owned[u]) owned_numel[u] += ParamInfo(i).numel;
+    }
+    unit_of_model_unit_ = WrapUnits(owned_numel, wrap_ == Wrap::kSize, min_num_params_);
+    for (uint32_t u = 0; u < num_units; ++u) {
+      if (unit_of_model_unit_[u] < 0) continue;
       cai_unit_info info{};
       info.struct_size = CAI_UNIT_INFO_STRUCT_SIZE;
       Check(model.unit_info(model_, u, &info));
-      const bool extend =
-          wrap_ == Wrap::kSize && units_.size() > 1 && units_.back().numel < min_num_params_;
-      if (!extend) {
+      if (static_cast<size_t>(unit_of_model_unit_[u]) == units_.size()) {
         Unit& fresh = units_.emplace_back();
         fresh.name = info.name;
         fresh.first = static_cast<int32_t>(u);
@@ -777,7 +793,6 @@ class Fsdp {
       }
       Unit& unit = units_.back();
       unit.last = static_cast<int32_t>(u);
-      unit_of_model_unit_[u] = static_cast<int32_t>(units_.size() - 1);
       for (uint32_t i : owned[u]) AddMember(unit, i, ParamInfo(i));
     }
     int64_t total = 0;

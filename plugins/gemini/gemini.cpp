@@ -205,20 +205,56 @@ struct ChunkSizing {
   }
 };
 
-// Trainable parameters in chunk order: those outside every block (root) first, then each
-// block's in unit order; registration order within. `block_of[i]`: parameter i's block unit,
-// -1 outside every block; untrainable ones are left out.
-std::vector<uint32_t> ChunkOrder(const std::vector<int32_t>& block_of,
-                                 const std::vector<bool>& trainable) {
-  std::vector<uint32_t> order, blocks;
-  for (uint32_t i = 0; i < block_of.size(); ++i) {
-    if (trainable[i]) (block_of[i] < 0 ? order : blocks).push_back(i);
+// A model's chunks. Trainable parameters in chunk order (those outside every block, the root
+// ones, first; then each block's in unit order; registration order within) packed at the
+// sized capacity; per chunk whether it is a root one and the first and last block unit it
+// holds parameters of; per unit its chunks in the order its hooks meet them. `numel[i]`,
+// `block_of[i]` (-1 outside every block) and `trainable[i]` describe parameter i.
+struct ChunkLayout {
+  struct Span {
+    bool root = false;
+    int32_t first_unit = -1, last_unit = -1;
+  };
+  std::vector<uint32_t> order;  // parameters in chunk order; packing.chunk_of follows it
+  std::vector<int64_t> sizes;   // their elements, in that order
+  int64_t capacity = 0;         // C
+  Packing packing;
+  std::vector<Span> spans;  // per chunk
+  std::vector<std::vector<int32_t>> chunks_of_unit;
+
+  ChunkLayout(const std::vector<int64_t>& numel, const std::vector<int32_t>& block_of,
+              const std::vector<bool>& trainable, size_t num_units, int64_t g,
+              const ChunkSizing& sizing) {
+    std::vector<uint32_t> blocks;
+    for (uint32_t i = 0; i < block_of.size(); ++i) {
+      if (trainable[i]) (block_of[i] < 0 ? order : blocks).push_back(i);
+    }
+    std::stable_sort(blocks.begin(), blocks.end(),
+                     [&](uint32_t a, uint32_t b) { return block_of[a] < block_of[b]; });
+    order.insert(order.end(), blocks.begin(), blocks.end());
+    std::vector<bool> root;
+    for (uint32_t i : order) {
+      sizes.push_back(numel[i]);
+      root.push_back(block_of[i] < 0);
+    }
+    if (order.empty()) return;
+    capacity = sizing.Capacity(sizes, root, g);
+    packing = Pack(sizes, root, capacity, g);
+    spans.resize(packing.capacity.size());
+    chunks_of_unit.assign(num_units, {});
+    for (size_t j = 0; j < order.size(); ++j) {
+      const auto k = static_cast<int32_t>(packing.chunk_of[j]);
+      Span& span = spans[static_cast<size_t>(k)];
+      span.root = root[j];
+      if (root[j]) continue;
+      const int32_t u = block_of[order[j]];
+      if (span.first_unit < 0) span.first_unit = u;
+      span.last_unit = u;
+      auto& list = chunks_of_unit[static_cast<size_t>(u)];
+      if (list.empty() || list.back() != k) list.push_back(k);
+    }
   }
-  std::stable_sort(blocks.begin(), blocks.end(),
-                   [&](uint32_t a, uint32_t b) { return block_of[a] < block_of[b]; });
-  order.insert(order.end(), blocks.begin(), blocks.end());
-  return order;
-}
+};
 
 // Where each chunk lives, by the static policy's fractions of the chunks' capacity in chunk
 // order, a fraction f taking the first chunks until f of the capacity is reached.
@@ -280,15 +316,9 @@ std::vector<Placement> Place(const std::vector<int64_t>& capacity, const Fractio
 // enough others queue behind it; a checkpoint gathering one chunk in fp32. The estimate's
 // test holds it against measured peaks, so a schedule change it does not follow shows there.
 struct Schedule {
-  struct Chunk {
-    int64_t capacity = 0;
-    bool root = false;
-    Placement place;
-    int32_t first_unit = -1, last_unit = -1;
-  };
-  std::vector<Chunk> chunks;
-  std::vector<std::vector<int32_t>> chunks_of_unit;  // by unit index, as the hooks fire
-  uint64_t element = 4;                              // bytes of a compute-dtype element
+  const ChunkLayout& layout;
+  const std::vector<Placement>& placed;  // per chunk
+  uint64_t element = 4;                  // bytes of a compute-dtype element
   int64_t shards = 1;
   size_t max_prefetch = 0;
   size_t in_flight = 1;    // reduce-scatters left running (enable_async_reduce)
@@ -296,18 +326,21 @@ struct Schedule {
   bool init_on_device = true;
 
   uint64_t Peak() const {
-    const size_t n = chunks.size();
+    const std::vector<int64_t>& capacity = layout.packing.capacity;
+    const auto& spans = layout.spans;
+    const auto& chunks_of_unit = layout.chunks_of_unit;
+    const size_t n = capacity.size();
     enum State { kReleased, kPrefetched, kGathered };
     std::vector<State> state(n, kReleased);
     std::vector<bool> collecting(n, false);
     cai::sdk::MemoryReplay pool(in_flight);
-    auto bytes = [&](size_t k) { return static_cast<uint64_t>(chunks[k].capacity) * element; };
+    auto bytes = [&](size_t k) { return static_cast<uint64_t>(capacity[k]) * element; };
     auto shard = [&](size_t k) { return bytes(k) / static_cast<uint64_t>(shards); };
     // The device copy of a host-held compute shard, while its all-gather runs.
-    auto staging = [&](size_t k) { return chunks[k].place.compute == 1 ? shard(k) : 0; };
-    auto kept = [&](size_t k) { return chunks[k].place.kept; };
+    auto staging = [&](size_t k) { return placed[k].compute == 1 ? shard(k) : 0; };
+    auto kept = [&](size_t k) { return placed[k].kept; };
     uint64_t largest = 0;  // elements
-    for (const Chunk& c : chunks) largest = std::max(largest, static_cast<uint64_t>(c.capacity));
+    for (int64_t c : capacity) largest = std::max(largest, static_cast<uint64_t>(c));
 
     if (init_on_device) pool.Passing(4 * largest);
     for (size_t k = 0; k < n; ++k) {
@@ -343,7 +376,7 @@ struct Schedule {
       if (state[k] == kReleased) pool.Add(bytes(k) + staging(k));
       pool.Free(staging(k));
       state[k] = kGathered;
-      if (!chunks[k].root && !kept(k)) follow(k);
+      if (!spans[k].root && !kept(k)) follow(k);
     };
     auto release = [&](size_t k) {
       if (kept(k) || state[k] == kReleased || cache_all) return;
@@ -367,7 +400,7 @@ struct Schedule {
       cursor = 0;
       following = !recording;
       for (size_t k = 0; k < n; ++k) {
-        if (chunks[k].root) {
+        if (spans[k].root) {
           gather(k);
           begin_grads(k);
         }
@@ -375,7 +408,7 @@ struct Schedule {
       for (size_t u = 0; u < chunks_of_unit.size(); ++u) {
         for (int32_t k : chunks_of_unit[u]) gather(k);
         for (int32_t k : chunks_of_unit[u]) {
-          if (chunks[k].last_unit == static_cast<int32_t>(u)) release(k);
+          if (spans[k].last_unit == static_cast<int32_t>(u)) release(k);
         }
       }
       for (size_t u = chunks_of_unit.size(); u-- > 0;) {
@@ -384,7 +417,7 @@ struct Schedule {
           begin_grads(k);
         }
         for (int32_t k : chunks_of_unit[u]) {
-          if (chunks[k].first_unit != static_cast<int32_t>(u)) continue;
+          if (spans[k].first_unit != static_cast<int32_t>(u)) continue;
           if (collecting[k]) reduce(k);
           release(k);
         }
@@ -903,10 +936,7 @@ class Gemini {
     const bool nvme_masters = have && config.Bool("nvme_offload_masters");
     const uint64_t e = args.precision == CAI_PRECISION_FP32 ? 4 : 2;
     const uint64_t k = args.optimizer_state_slots;
-    // The SDK hands over the arguments zero-filled past what the host sent: an older host's
-    // layout is empty.
-    if (have && args.num_layout_params > 0 && args.param_numel && args.param_unit &&
-        args.unit_kind) {
+    if (have && cai::sdk::HasLayout(args)) {
       EstimateLayout(args, config, f, auto_policy, nvme_masters, n, e, k, out);
       return;
     }
@@ -945,62 +975,32 @@ class Gemini {
   static void EstimateLayout(const cai_memory_estimate_args& args, const cai::sdk::Config& config,
                              const Fractions& f, bool auto_policy, bool nvme_masters, uint64_t g,
                              uint64_t e, uint64_t k, cai_memory_estimate& out) {
-    const uint32_t num = args.num_layout_params;
-    std::vector<int32_t> block_of(num, -1);
-    for (uint32_t i = 0; i < num; ++i) {
-      const int32_t u = args.param_unit[i];
-      if (u >= 0 && static_cast<uint32_t>(u) < args.num_layout_units &&
-          args.unit_kind[u] == CAI_UNIT_BLOCK) {
-        block_of[i] = u;
-      }
-    }
-    const std::vector<uint32_t> order = ChunkOrder(block_of, std::vector<bool>(num, true));
-    std::vector<int64_t> sizes;
-    std::vector<bool> root;
-    for (uint32_t i : order) {
-      sizes.push_back(args.param_numel[i]);
-      root.push_back(block_of[i] < 0);
-    }
     const auto shards = static_cast<int64_t>(g);
-    const Packing packing =
-        Pack(sizes, root, ChunkSizing::From(config).Capacity(sizes, root, shards), shards);
-    const std::vector<Placement> placed = Place(packing.capacity, f, shards, e != 4);
-
-    Schedule schedule;
-    schedule.chunks.resize(packing.capacity.size());
-    schedule.chunks_of_unit.resize(args.num_layout_units);
-    for (size_t j = 0; j < order.size(); ++j) {
-      const auto c = static_cast<int32_t>(packing.chunk_of[j]);
-      Schedule::Chunk& chunk = schedule.chunks[static_cast<size_t>(c)];
-      chunk.root = root[j];
-      if (root[j]) continue;
-      const int32_t u = block_of[order[j]];
-      if (chunk.first_unit < 0) chunk.first_unit = u;
-      chunk.last_unit = u;
-      auto& list = schedule.chunks_of_unit[static_cast<size_t>(u)];
-      if (list.empty() || list.back() != c) list.push_back(c);
-    }
+    const ChunkLayout layout(
+        std::vector<int64_t>(args.param_numel, args.param_numel + args.num_layout_params),
+        cai::sdk::LayoutBlocks(args), std::vector<bool>(args.num_layout_params, true),
+        args.num_layout_units, shards, ChunkSizing::From(config));
+    const std::vector<Placement> placed = Place(layout.packing.capacity, f, shards, e != 4);
     uint64_t device = 0, host = 0, shard_sum = 0, kept = 0;
     for (size_t c = 0; c < placed.size(); ++c) {
-      Schedule::Chunk& chunk = schedule.chunks[c];
-      chunk.capacity = packing.capacity[c];
-      chunk.place = placed[c];
-      const auto s = static_cast<uint64_t>(chunk.capacity) / g;
+      const auto capacity = static_cast<uint64_t>(layout.packing.capacity[c]);
+      const uint64_t s = capacity / g;
       shard_sum += s;
-      if (chunk.place.kept) kept += e * static_cast<uint64_t>(chunk.capacity);
+      if (placed[c].kept) kept += e * capacity;
       // fp32 master, gradient and k slots; NVMe takes the slots (and the master with
       // nvme_offload_masters) off the host.
       const uint64_t state = (8 + 4 * k) * s;
-      if (chunk.place.bank == kDevice) {
+      if (placed[c].bank == kDevice) {
         device += state;
-      } else if (chunk.place.bank == kHost) {
+      } else if (placed[c].bank == kHost) {
         host += state;
       } else {
         host += (nvme_masters ? 4 : 8) * s;
       }
-      if (chunk.place.compute == 0) device += e * s;
-      if (chunk.place.compute == 1) host += e * s;
+      if (placed[c].compute == 0) device += e * s;
+      if (placed[c].compute == 1) host += e * s;
     }
+    Schedule schedule{layout, placed};
     schedule.element = e;
     schedule.shards = shards;
     schedule.max_prefetch = static_cast<size_t>(config.Int("max_prefetch"));
@@ -1117,12 +1117,8 @@ class Gemini {
         block_of[info.params[k]] = static_cast<int32_t>(u);
       }
     }
+    std::vector<int64_t> numel(num_params);
     std::vector<bool> trainable(num_params);
-    for (uint32_t i = 0; i < num_params; ++i) {
-      const cai_param_info info = ParamInfo(i);
-      trainable[i] = info.tied_to < 0 && (info.flags & CAI_PARAM_REQUIRES_GRAD);
-    }
-    const std::vector<uint32_t> order = ChunkOrder(block_of, trainable);
     for (uint32_t i = 0; i < num_params; ++i) {
       const cai_param_info info = ParamInfo(i);
       if (!SameDtype(info.dtype, kF32) && info.tied_to < 0) {
@@ -1131,49 +1127,38 @@ class Gemini {
                         "' is not fp32 at boost; gemini keeps fp32 chunks and casts to "
                         "train.precision itself, so save the model in fp32");
       }
-      if (info.tied_to < 0 && !(info.flags & CAI_PARAM_REQUIRES_GRAD)) frozen_.push_back(i);
+      numel[i] = info.numel;
+      trainable[i] = info.tied_to < 0 && (info.flags & CAI_PARAM_REQUIRES_GRAD);
+      if (info.tied_to < 0 && !trainable[i]) frozen_.push_back(i);
     }
-    if (order.empty()) {
+    const ChunkLayout layout(numel, block_of, trainable, num_units, shards_, sizing_);
+    if (layout.order.empty()) {
       throw Error(CAI_FAILED_PRECONDITION,
                   "gemini: the model has no trainable parameters; unfreeze some (model.freeze)");
     }
-    std::vector<int64_t> sizes;
-    std::vector<bool> root;
-    for (uint32_t i : order) {
-      sizes.push_back(ParamInfo(i).numel);
-      root.push_back(block_of[i] < 0);
-      psi_ += sizes.back();
-    }
-    const int64_t g = shards_;
-    const int64_t c = sizing_.Capacity(sizes, root, g);
-    chunk_capacity_ = c;
-    const Packing packing = Pack(sizes, root, c, g);
+    for (int64_t n : layout.sizes) psi_ += n;
+    chunk_capacity_ = layout.capacity;
+    const Packing& packing = layout.packing;
     chunks_.resize(packing.capacity.size());
     for (size_t k = 0; k < chunks_.size(); ++k) {
       chunks_[k].capacity = packing.capacity[k];
-      chunks_[k].shard = packing.capacity[k] / g;
+      chunks_[k].shard = packing.capacity[k] / shards_;
+      chunks_[k].root = layout.spans[k].root;
+      chunks_[k].first_unit = layout.spans[k].first_unit;
+      chunks_[k].last_unit = layout.spans[k].last_unit;
     }
+    chunks_of_unit_ = layout.chunks_of_unit;
     member_of_param_.assign(num_params, -1);
     chunk_of_member_.clear();
-    chunks_of_unit_.assign(num_units, {});
-    for (size_t j = 0; j < order.size(); ++j) {
+    for (size_t j = 0; j < layout.order.size(); ++j) {
+      const uint32_t param = layout.order[j];
       Chunk& chunk = chunks_[packing.chunk_of[j]];
-      const cai_param_info info = ParamInfo(order[j]);
-      member_of_param_[order[j]] = static_cast<int32_t>(num_members_);
+      member_of_param_[param] = static_cast<int32_t>(num_members_);
       chunk_of_member_.push_back(static_cast<int32_t>(packing.chunk_of[j]));
-      chunk.members.push_back(
-          {order[j], info.group, info.numel, chunk.numel, static_cast<int32_t>(num_members_)});
+      chunk.members.push_back({param, ParamInfo(param).group, layout.sizes[j], chunk.numel,
+                               static_cast<int32_t>(num_members_)});
       ++num_members_;
-      chunk.numel += info.numel;
-      chunk.root = root[j];
-      if (!root[j]) {
-        const int32_t u = block_of[order[j]];
-        if (chunk.first_unit < 0) chunk.first_unit = u;
-        chunk.last_unit = u;
-        auto& list = chunks_of_unit_[u];
-        const auto k = static_cast<int32_t>(packing.chunk_of[j]);
-        if (list.empty() || list.back() != k) list.push_back(k);
-      }
+      chunk.numel += layout.sizes[j];
     }
     waste_ = packing.waste;
   }

@@ -71,10 +71,7 @@ void ExpectEstimateIsTheDevicePeak(const TrainRun& run, const std::vector<std::s
 // estimate checked against its peak.
 TrainRun Gemini(const std::string& name, int nproc, std::vector<std::string> sets) {
   sets.push_back("plugin.name=gemini");
-  if (std::none_of(sets.begin(), sets.end(), [](const std::string& s) {
-        return s.find("chunk_size") != std::string::npos ||
-               s.find("min_chunk_size_m") != std::string::npos;
-      })) {
+  if (!cai::testing::Mentions(sets, "chunk_size")) {  // chunk_size, min_chunk_size_m
     sets.push_back("plugin.gemini.chunk_size=5000");
   }
   fs::create_directories(RunsDir() / "nvme");

@@ -7,7 +7,8 @@
 //               all-reduce over the replica group.
 // UnitHooks     one callback for every unit hook and GRAD_READY, removed with the object.
 // MemoryReplay  a schedule's device buffers replayed for estimate_memory, with a
-//               ShardReducer's queue.
+//               ShardReducer's queue; HasLayout / LayoutBlocks read the model layout
+//               estimate_memory receives.
 #ifndef CAI_SDK_SHARDING_HPP_
 #define CAI_SDK_SHARDING_HPP_
 
@@ -204,6 +205,26 @@ class MemoryReplay {
   uint64_t now_ = 0, peak_ = 0;
   std::deque<uint64_t> pending_;
 };
+
+// Whether estimate_memory's arguments carry the model's layout (ABI 1.3: zoo models; the SDK
+// zero-fills what an older host did not send).
+inline bool HasLayout(const cai_memory_estimate_args& args) {
+  return args.num_layout_params > 0 && args.param_numel && args.param_unit && args.unit_kind;
+}
+
+// Each parameter of that layout's block unit: its unit when that is a CAI_UNIT_BLOCK, else -1
+// (embeddings, final norm, head, a parameter in no unit).
+inline std::vector<int32_t> LayoutBlocks(const cai_memory_estimate_args& args) {
+  std::vector<int32_t> block_of(args.num_layout_params, -1);
+  for (uint32_t i = 0; i < args.num_layout_params; ++i) {
+    const int32_t u = args.param_unit[i];
+    if (u >= 0 && static_cast<uint32_t>(u) < args.num_layout_units &&
+        args.unit_kind[u] == CAI_UNIT_BLOCK) {
+      block_of[i] = u;
+    }
+  }
+  return block_of;
+}
 
 // Adds `summed` (a ShardReducer's result, s elements on the device, in `on`) into `shard`, s
 // fp32 elements on `tier`: directly on the device, else through one copy to that tier (the

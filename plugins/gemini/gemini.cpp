@@ -981,11 +981,18 @@ class Gemini {
         cai::sdk::LayoutBlocks(args), std::vector<bool>(args.num_layout_params, true),
         args.num_layout_units, shards, ChunkSizing::From(config));
     const std::vector<Placement> placed = Place(layout.packing.capacity, f, shards, e != 4);
-    uint64_t device = 0, host = 0, shard_sum = 0, kept = 0;
+    // Beside the banks, the host holds at its peak the larger of two transients: boost's, which
+    // assembles each chunk in turn on chunk_init_device and copies this rank's fp32 shard out
+    // of it through the host; and the step's two NVMe staging buffers, each a piece of at most
+    // nvme_stream_elements of an NVMe chunk's shard for every slot it streams.
+    const bool init_on_host = config.String("chunk_init_device") == "host";
+    uint64_t device = 0, host = 0, shard_sum = 0, kept = 0, boost_host = 0, nvme_piece = 0;
     for (size_t c = 0; c < placed.size(); ++c) {
       const auto capacity = static_cast<uint64_t>(layout.packing.capacity[c]);
       const uint64_t s = capacity / g;
       shard_sum += s;
+      boost_host = std::max(boost_host, 4 * s + (init_on_host ? 4 * capacity : 0));
+      if (placed[c].bank == kNvme) nvme_piece = std::max(nvme_piece, s);
       if (placed[c].kept) kept += e * capacity;
       // fp32 master, gradient and k slots; NVMe takes the slots (and the master with
       // nvme_offload_masters) off the host.
@@ -1006,21 +1013,26 @@ class Gemini {
     schedule.max_prefetch = static_cast<size_t>(config.Int("max_prefetch"));
     schedule.in_flight = config.Bool("enable_async_reduce") ? 1 : 0;
     schedule.cache_all = auto_policy;
-    schedule.init_on_device = config.String("chunk_init_device") == "device";
+    schedule.init_on_device = !init_on_host;
     const uint64_t transient = schedule.Peak();
     out.master_bytes = e == 4 ? 0 : 4 * shard_sum;
     out.param_bytes = e * shard_sum + kept;
     out.grad_bytes = 4 * shard_sum + (transient > kept ? transient - kept : 0);
     out.optimizer_state_bytes = 4 * k * shard_sum;
     out.device_bytes = device + transient;
-    out.host_bytes = host;
+    nvme_piece = std::min(nvme_piece, static_cast<uint64_t>(config.Int("nvme_stream_elements")));
+    const uint64_t nvme_stages = 2 * 4 * nvme_piece * (k + (nvme_masters ? 1 : 0));
+    out.host_bytes = host + std::max(boost_host, nvme_stages);
     out.formula =
         "this model's chunks as boost cuts and places them: each chunk's fp32 master, gradient "
         "and k optimizer slots (8+4k)·C/G on its tier (NVMe takes the slots, and the master "
         "with nvme_offload_masters) and its compute copy e·C/G where placed, plus the device's "
         "peak of gathered chunks, gradient buffers and reduce-scatter buffers over boost, two "
         "micro-batches (max_prefetch ahead) and a checkpoint (auto: every chunk stays "
-        "gathered, as without a device budget)";
+        "gathered, as without a device budget); on the host, beside its banks, the larger of "
+        "boost's fp32 copy of the largest chunk's shard (4·C/G, and the chunk 4·C with "
+        "chunk_init_device = host) and the NVMe update's two staging pieces (2·4·min(C/G, "
+        "nvme_stream_elements)·(k + 1 with nvme_offload_masters))";
   }
 
  private:

@@ -86,16 +86,29 @@ bool Mentions(const std::vector<std::string>& sets, const std::string& part) {
                      [&](const std::string& s) { return s.find(part) != std::string::npos; });
 }
 
-void ExpectEstimateIsTheDevicePeak(const TrainRun& run) {
+namespace {
+
+void ExpectEstimateIsThePeak(const TrainRun& run, const std::string& estimate_key,
+                             const std::string& peak_key) {
   if (run.exit_code != 0) return;
-  const std::vector<double> estimate = PerRank(run, "memory_estimate_per_rank", "device_bytes");
+  const std::vector<double> estimate = PerRank(run, "memory_estimate_per_rank", estimate_key);
   ASSERT_EQ(estimate.size(), 1u) << run.summary;
-  const std::vector<double> peaks = PerRank(run, "peak_bytes", "device");
+  const std::vector<double> peaks = PerRank(run, "peak_bytes", peak_key);
   ASSERT_FALSE(peaks.empty()) << run.summary;
   for (size_t r = 0; r < peaks.size(); ++r) {
-    EXPECT_GE(peaks[r], estimate[0]) << "rank " << r << "\n" << run.summary;
-    EXPECT_LE(peaks[r], estimate[0] + 64) << "rank " << r << "\n" << run.summary;
+    EXPECT_GE(peaks[r], estimate[0]) << peak_key << ", rank " << r << "\n" << run.summary;
+    EXPECT_LE(peaks[r], estimate[0] + 64) << peak_key << ", rank " << r << "\n" << run.summary;
   }
+}
+
+}  // namespace
+
+void ExpectEstimateIsTheDevicePeak(const TrainRun& run) {
+  ExpectEstimateIsThePeak(run, "device_bytes", "device");
+}
+
+void ExpectEstimateIsTheHostPeak(const TrainRun& run) {
+  ExpectEstimateIsThePeak(run, "host_bytes", "host");
 }
 
 std::vector<float> ReadCheckpointTensor(const fs::path& checkpoint, const std::string& name) {

@@ -55,16 +55,17 @@ const TrainRun& Reference(const std::vector<std::string>& sets) {
   return it->second;
 }
 
-// Where the plugin's estimate is its device peak (train_run.h): not where the layout lists
-// more than trains (model.freeze: frozen parameters stay out of the chunks), nor under auto
-// with a device budget (its cache fills what the budget leaves, which no estimate knows).
-void ExpectEstimateIsTheDevicePeak(const TrainRun& run, const std::vector<std::string>& sets) {
+// Where the plugin's estimate is its device and host peak (train_run.h): not where the layout
+// lists more than trains (model.freeze: frozen parameters stay out of the chunks), nor under
+// auto with a device budget (its cache fills what the budget leaves, which no estimate knows).
+void ExpectEstimateIsThePeak(const TrainRun& run, const std::vector<std::string>& sets) {
   if (cai::testing::Mentions(sets, "model.freeze") ||
       (cai::testing::Mentions(sets, "placement_policy=auto") &&
        cai::testing::Mentions(sets, "memory.device_budget"))) {
     return;
   }
   cai::testing::ExpectEstimateIsTheDevicePeak(run);
+  cai::testing::ExpectEstimateIsTheHostPeak(run);
 }
 
 // A gemini run with 5000-element chunks and NVMe files under the test's folder; its memory
@@ -77,7 +78,7 @@ TrainRun Gemini(const std::string& name, int nproc, std::vector<std::string> set
   fs::create_directories(RunsDir() / "nvme");
   sets.push_back("memory.nvme_dir=" + (RunsDir() / "nvme").string());
   TrainRun run = Train(name + "_" + std::to_string(nproc), nproc, sets);
-  ExpectEstimateIsTheDevicePeak(run, sets);
+  ExpectEstimateIsThePeak(run, sets);
   return run;
 }
 

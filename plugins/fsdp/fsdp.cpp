@@ -685,13 +685,20 @@ class Fsdp {
     out.grad_bytes = 4 * shard_sum + pool.peak();
     out.optimizer_state_bytes = 4 * k * shard_sum;
     out.device_bytes = (offload ? 0 : states) + compute_copy + pool.peak();
-    out.host_bytes = offload ? states : 0;
+    // cpu_offload's host transients, one at a time: each reduced gradient shard lands in host
+    // memory before it is added (the largest unit's, in the reduce dtype), and under mixed
+    // precision the compute copy is cast on the host before its one copy over.
+    const uint64_t landed = er * largest_full / static_cast<uint64_t>(g);
+    const uint64_t cast = e != 4 ? e * shard_sum : 0;
+    out.host_bytes = offload ? states + std::max(landed, cast) : 0;
     out.formula =
         "this model's units as boost wraps them: fp32 shards (4 + 4 + 4k)·S (on the host with "
         "cpu_offload) and the compute copy e·S, S = Σ ceil(Ψ_u/G), plus the device's peak of "
         "gathered units, gradient buffers and reduce-scatter buffers over boost, one micro-batch "
         "with the prefetch set, and a full checkpoint (gradient accumulation's no_sync keeps "
-        "every unit's gradient besides: eΨ more)";
+        "every unit's gradient besides: eΨ more); with cpu_offload the host also holds the "
+        "larger of a reduced shard landing (e_reduce·Ψ_u/G of the largest unit) and the compute "
+        "copy's host cast (e·S, mixed precision)";
   }
 
   enum class Wrap { kBlock, kSize, kNone };

@@ -18,7 +18,11 @@ constexpr const char* kUsage =
     "  Times every collective over sizes from --min-bytes (default 4K) to --max-bytes (256M),\n"
     "  multiplying by --factor (4), on N ranks (2) of this machine or as the rank the\n"
     "  environment names (torchrun / SLURM / Open MPI variables), and prints nccl-tests'\n"
-    "  table: time, algorithm bandwidth and bus bandwidth. Sizes take K, M or G suffixes.\n"
+    "  table: time, algorithm bandwidth and bus bandwidth (all_gather also in place). Before\n"
+    "  and after it, on plain TCP connections of its own around the ring: the bound (every rank\n"
+    "  sending and receiving at once, how busy that keeps each rank) and the plain ring's\n"
+    "  reduce_scatter and all_gather; the summary holds each op at >= 64 MiB against both.\n"
+    "  Sizes take K, M or G suffixes.\n"
     "  --lanes: connections per peer that large collectives are split over (launch.comm_lanes,\n"
     "  default 2).\n";
 

@@ -26,6 +26,9 @@ struct CommBenchOptions {
   int max_iters = 20;
   int min_iters = 3;
   size_t iter_bytes = size_t{1} << 30;
+  // The summary gives each op's best busbw at this size and above, where issue-level targets
+  // against the bound apply.
+  size_t large_bytes = size_t{64} << 20;
 };
 
 // Runs on every rank of the world group of the initialised communicator (collective); rank 0

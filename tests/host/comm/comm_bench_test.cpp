@@ -1,5 +1,5 @@
-// The collective benchmark behind `cai bench comm`: its table, and the transport bound it
-// measures in the same run, on 2 and 3 ranks.
+// The collective benchmark behind `cai bench comm`: its table, and the transport bound and the
+// plain operations it measures in the same run, on 2 and 3 ranks.
 #include "comm/comm_bench.h"
 
 #include <regex>
@@ -17,8 +17,10 @@ void ExpectTableWithBound(int world) {
   RunRanks(world, [](const RankContext& ctx) {
     InitRank(ctx, milliseconds(30000));
     CommBenchOptions options;
-    options.ops = {CAI_COMM_ALL_REDUCE, CAI_COMM_REDUCE_SCATTER, CAI_COMM_BROADCAST};
+    options.ops = {CAI_COMM_ALL_REDUCE, CAI_COMM_REDUCE_SCATTER, CAI_COMM_ALL_GATHER,
+                   CAI_COMM_BROADCAST};
     options.min_bytes = options.max_bytes = size_t{1} << 20;
+    options.large_bytes = size_t{1} << 19;  // 3 ranks round the buffer down to 3 x 349,524 B
     options.min_iters = options.max_iters = 2;
     std::ostringstream out;
     ASSERT_EQ(RunCommBenchmark(options, out), 0) << out.str();
@@ -27,22 +29,50 @@ void ExpectTableWithBound(int world) {
       EXPECT_EQ(text, "");
       return;
     }
-    // The bound, before and after, as positive rates.
+    // The bound, how busy the ranks were meanwhile, and the plain operations, before and after,
+    // as positive figures.
     const std::regex before(R"(# bound: TCP ring between the ranks, each sending and receiving )"
-                            R"(1048576 B at once, median of 5: ([0-9.]+) GB/s per rank)");
+                            R"(1048576 B at once, median of 9: ([0-9.]+) GB/s per rank .*; )"
+                            R"(each rank's process busy ([0-9.]+) CPU-s per s meanwhile)");
     std::smatch m;
     ASSERT_TRUE(std::regex_search(text, m, before)) << text;
     EXPECT_GT(std::stod(m[1]), 0) << text;
-    const std::regex after(R"(# bound after: ([0-9.]+) GB/s)");
-    ASSERT_TRUE(std::regex_search(text, m, after)) << text;
+    EXPECT_GT(std::stod(m[2]), 0) << text;
+    const std::regex plain(R"(# plain: .*: reduce_scatter ([0-9.]+), all_gather ([0-9.]+) GB/s)");
+    ASSERT_TRUE(std::regex_search(text, m, plain)) << text;
     EXPECT_GT(std::stod(m[1]), 0) << text;
-    // One row per op, the ring ops with their share of the bound, broadcast without.
-    for (const char* op : {"all_reduce", "reduce_scatter", "broadcast"}) {
+    EXPECT_GT(std::stod(m[2]), 0) << text;
+    const std::regex after(R"(# bound after: ([0-9.]+) GB/s \(busy ([0-9.]+) CPU-s per s\); )"
+                           R"(plain after: reduce_scatter ([0-9.]+), all_gather ([0-9.]+) GB/s)");
+    ASSERT_TRUE(std::regex_search(text, m, after)) << text;
+    for (int i = 1; i <= 4; ++i) EXPECT_GT(std::stod(m[i]), 0) << text;
+    // One row per op and one for all_gather in place, the ring ops with their share of the
+    // bound, broadcast without.
+    for (const char* op :
+         {"all_reduce", "reduce_scatter", "all_gather", "all_gather\\(ip\\)", "broadcast"}) {
       const std::string share = std::string(op) == "broadcast" ? "-" : "[0-9]+%";
       const std::regex row(std::string(R"(\n +[0-9]+ +[0-9]+ +float +\w+ +)") + op +
                            R"( +[0-9.]+ +[0-9.]+ +[0-9.]+ +)" + share + "\n");
       EXPECT_TRUE(std::regex_search(text, row)) << op << " row missing in\n" << text;
     }
+    // The summary: each ring op against the bound; all_reduce and reduce_scatter against their
+    // plain versions too; broadcast not at all.
+    const std::string share = R"( +[0-9.]+ GB/s +[0-9]+% of the bound [0-9.]+ GB/s)";
+    const std::string plain_share = R"(, +[0-9]+% of plain [0-9.]+ GB/s)";
+    EXPECT_TRUE(std::regex_search(text, std::regex("\n#   all_reduce" + share + plain_share +
+                                                   R"( \(its reduce_scatter then all_gather\)\n)")))
+        << text;
+    EXPECT_TRUE(
+        std::regex_search(text, std::regex("\n#   reduce_scatter" + share + plain_share + "\n")))
+        << text;
+    EXPECT_TRUE(
+        std::regex_search(text, std::regex("\n#   all_gather " + share + plain_share + "\n")))
+        << text;
+    // In place there is no copy for the plain one to stand for.
+    EXPECT_TRUE(std::regex_search(text, std::regex("\n#   all_gather\\(ip\\)" + share + "\n")))
+        << text;
+    EXPECT_EQ(text.find("#   broadcast"), std::string::npos) << text;
+    EXPECT_NE(text.find("best busbw at >= 524288 B is:"), std::string::npos) << text;
   });
 }
 

@@ -20,6 +20,7 @@ first of --strategies instead, and the report says so.
 With --baseline OTHER_BUILD (a build of the commit before a change, say) every strategy also
 runs on that build in every pair, right before or after its run on BUILD_DIR (which goes first
 alternates by pair), and is compared with it: the figures of a change, before and after.
+With --section TEXT the run gets a README section of its own named by TEXT, beside the job's.
 
 Writes OUT/results.json (the job, the machine, every run's raw figures, the summary) and
 OUT/plot.svg (gnuplot); --write-readme, or --readme RESULTS.json alone, regenerates the section
@@ -28,7 +29,7 @@ of bench/README.md between its run.py markers.
 usage: bench/run.py BUILD_DIR [--size gpt2-30m] [--strategies ddp,zero2] [--peers torch-ddp]
                     [--precision fp32|bf16] [--pairs 5] [--steps 12] [--out DIR]
                     [--n-layer N --n-embd N ...] [--baseline OTHER_BUILD
-                    [--baseline-label TEXT]] [--write-readme]
+                    [--baseline-label TEXT]] [--section TEXT] [--write-readme]
        bench/run.py --readme RESULTS.json
 """
 import argparse
@@ -153,9 +154,11 @@ def section(result):
     the job's own section)."""
     swept = variants(result["strategies"])
     baseline = result.get("baseline")
+    label = result.get("section")
     return (f"{result['size']} {result['job']['precision']}" +
             (f" sweep of {','.join(swept)}" if swept else "") +
-            (f" against {baseline['label']}" if baseline else ""))
+            (f" against {baseline['label']}" if baseline else "") +
+            (f" ({label})" if label else ""))
 
 
 def markers(result):
@@ -285,6 +288,9 @@ def parse_args(argv):
                    "peer runs unless --peers names one")
     p.add_argument("--baseline-label", metavar="TEXT",
                    help="what the baseline build is, for the report (default: its directory)")
+    p.add_argument("--section", metavar="TEXT",
+                   help="give the run a README section of its own, named by TEXT (e.g. some "
+                   "strategies rerun after a change), so that it does not replace the job's")
     p.add_argument("--out", type=Path, default=benchlib.HERE / "results",
                    help="where results.json and plot.svg go")
     p.add_argument("--write-readme", action="store_true",
@@ -616,6 +622,7 @@ def main():
         "peers": peers, "sgemm": sgemm, "flops_per_token": flops,
         "baseline": ({"build": str(args.baseline), "label": args.baseline_label}
                      if args.baseline else None),
+        "section": args.section,
         "flops_formula": FLOPS_FORMULA,
         "notes": notes, "plot": "plot.svg", "runs": runs,
         "summary": summarize(runs, strategies + baselines, peers, refs),

@@ -81,6 +81,10 @@ class RunPyTest(unittest.TestCase):
         result["baseline"] = {"build": "/tmp/before", "label": "before"}
         self.assertEqual(run.section(result), "gpt2-tiny fp32 against before")
         self.assertNotEqual(run.markers(result), run.markers(dict(result, baseline=None)))
+        # So is a run given a section of its own, e.g. some strategies rerun.
+        rerun = dict(result, baseline=None, section="gemini rows at abc123")
+        self.assertEqual(run.section(rerun), "gpt2-tiny fp32 (gemini rows at abc123)")
+        self.assertNotEqual(run.markers(rerun), run.markers(dict(rerun, section=None)))
         with self.assertRaises(SystemExit):
             with redirect_stderr(io.StringIO()):
                 run.parse_args(["build", "--baseline-label", "x"])

@@ -57,7 +57,8 @@ const TrainRun& Reference(const std::vector<std::string>& sets) {
 
 // Where the plugin's estimate is its device and host peak (train_run.h): not where the layout
 // lists more than trains (model.freeze: frozen parameters stay out of the chunks), nor under
-// auto with a device budget (its cache fills what the budget leaves, which no estimate knows).
+// auto with a device budget (its cache fills what the budget leaves, and its state moves to the
+// host as the budget demands, which no estimate knows).
 void ExpectEstimateIsThePeak(const TrainRun& run, const std::vector<std::string>& sets) {
   if (cai::testing::Mentions(sets, "model.freeze") ||
       (cai::testing::Mentions(sets, "placement_policy=auto") &&

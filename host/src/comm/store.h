@@ -36,6 +36,8 @@ class Store : public gloo::rendezvous::Store {
 
   // The value of `key` if it is set now; never blocks.
   std::optional<std::string> TryGet(const std::string& key);
+  // Returns once the request is sent (c10d does not wait for a reply): another connection
+  // sees the key only after the server has handled it, so readers wait() for it.
   void SetString(const std::string& key, const std::string& value);
   // The keys of `keys` that are not set now.
   std::vector<std::string> Missing(const std::vector<std::string>& keys);

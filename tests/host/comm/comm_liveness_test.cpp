@@ -344,6 +344,8 @@ TEST(Store, ClientStartedBeforeTheServer_ConnectsAsSoonAsItListens) {
   served = Clock::now();
   comm::Store server("127.0.0.1", port.port(), /*is_server=*/true, seconds(10));
   client.join();
+  // The client's set returns once sent; the server may not have handled it yet.
+  server.wait({"k"}, seconds(10));
   EXPECT_EQ(server.TryGet("k").value_or(""), "v");
   // LibTorch's own retry comes ~0.7 s after the server starts here; a loaded 2-core machine
   // still wakes a 10 ms sleeper well within 0.5 s.

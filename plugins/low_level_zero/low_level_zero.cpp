@@ -13,6 +13,7 @@
 #include <cai/sdk.hpp>
 #include <cai/sdk/collectives.hpp>
 #include <cai/sdk/flat.hpp>
+#include <cai/sdk/sharding.hpp>
 #include <cai/sdk/step.hpp>
 #include <cai/sdk/zero.hpp>
 #include <optional>
@@ -188,6 +189,36 @@ class LowLevelZero {
     const bool offload = args.config && config.Bool("cpu_offload");
     const bool masters = !args.config || config.Bool("master_weights");
     const bool mixed = args.precision != CAI_PRECISION_FP32;
+    if (args.config && cai::sdk::HasLayout(args)) {
+      cai::sdk::ZeroOptimizer::Options o;
+      o.stage = stage2 ? 2 : 1;
+      o.bucket_cap = static_cast<size_t>(config.Float("reduce_bucket_size_in_m") * (1 << 20));
+      o.cpu_offload = offload;
+      o.master_weights = masters;
+      o.precision = args.precision;
+      o.comm_dtype = cai::sdk::DtypeNamed(config.String("communication_dtype"),
+                                          cai::sdk::ComputeDtype(args.precision));
+      const auto m = cai::sdk::ZeroOptimizer::EstimateMemory(
+          {args.param_numel, args.num_layout_params}, args.world_size, o,
+          args.optimizer_state_slots, args.num_layout_params);
+      out.param_bytes = m.params;
+      out.grad_bytes = m.grads + m.transient;
+      out.master_bytes = m.masters;
+      out.optimizer_state_bytes = m.state;
+      out.device_bytes = m.device;
+      out.host_bytes = m.host;
+      out.formula =
+          "this model's buckets as boost lays them out: parameters e·P (P = Σ N·ceil(Ψ_b/N), "
+          "buckets padded), gradients (ZeRO-1: e·P full +) e_comm·S shard (S = P/N), masters 4S "
+          "(bf16/fp16, or cpu_offload), state 4k·S (on the host with cpu_offload, beside pinned "
+          "copies of the gradient shard and the 16-bit shard), plus the device's largest "
+          "passing buffer: three consecutive buckets' gradients staged in the communication "
+          "dtype (ZeRO-2, or a communication dtype other than the compute dtype), the step's "
+          "all-reduce of flags, or a bucket gathered in fp32 for a checkpoint. One micro-batch "
+          "per step: ZeRO-2 with train.grad_accum > 1 keeps an fp32 gradient shard (2S more "
+          "in bf16/fp16) and passes each reduced chunk through a buffer";
+      return;
+    }
     const uint64_t psi = static_cast<uint64_t>(args.num_params);
     const uint64_t n = static_cast<uint64_t>(std::max(1, args.world_size));
     const uint64_t shard = (psi + n - 1) / n;
@@ -200,9 +231,13 @@ class LowLevelZero {
     out.host_bytes = offloaded;
     out.device_bytes =
         out.param_bytes + out.grad_bytes + out.master_bytes + out.optimizer_state_bytes - offloaded;
-    out.formula = stage2 ? (mixed ? "2Ψ + (2 + 4 + 4k)Ψ/N (ZeRO-2)" : "4Ψ + (4 + 4k)Ψ/N (ZeRO-2)")
-                         : (mixed ? "(2 + 2)Ψ + (2 + 4 + 4k)Ψ/N (ZeRO-1)"
-                                  : "(4 + 4)Ψ + (4 + 4k)Ψ/N (ZeRO-1)");
+    out.formula =
+        stage2
+            ? (mixed ? "2Ψ + (2 + 4 + 4k)Ψ/N (ZeRO-2; without the model's layout, bucket "
+                       "staging not counted)"
+                     : "4Ψ + (4 + 4k)Ψ/N (ZeRO-2; without the model's layout, bucket staging "
+                       "not counted)")
+            : (mixed ? "(2 + 2)Ψ + (2 + 4 + 4k)Ψ/N (ZeRO-1)" : "(4 + 4)Ψ + (4 + 4k)Ψ/N (ZeRO-1)");
   }
 
  private:

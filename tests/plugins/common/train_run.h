@@ -51,7 +51,7 @@ bool Mentions(const std::vector<std::string>& sets, const std::string& part);
 // counts for empty buffers (64 B allowed): for strategies that size their own layout from the
 // model's and replay their schedule's buffers. Nothing to check for a run that failed.
 void ExpectEstimateIsTheDevicePeak(const TrainRun& run);
-// The same for the host tier's estimate and peak.
+// The same for the host tiers' estimate and the peaks of host and pinned host memory, summed.
 void ExpectEstimateIsTheHostPeak(const TrainRun& run);
 
 // A tensor of a checkpoint as fp32; a test failure (and nothing) when there is none.

@@ -37,13 +37,29 @@ TrainRun Reference(const std::string& name, std::vector<std::string> sets) {
   return cai::testing::RunTrain(RunDir(name + "_ref"), kTinyGptJob, 1, sets, CAI_ZERO_MANIFEST);
 }
 
+// The estimate (`cai plan`'s) is each tier's measured peak, except where the run holds less or
+// more than it can know: model.freeze (frozen parameters stay out of the buckets), no
+// checkpoint (the estimate counts one: checkpoint.at_end is on by default) and gradient
+// accumulation (stage 2 then keeps an fp32 shard; the estimate is for one micro-batch).
+void ExpectEstimateIsThePeak(const TrainRun& run, const std::vector<std::string>& sets) {
+  if (cai::testing::Mentions(sets, "model.freeze") ||
+      cai::testing::Mentions(sets, "checkpoint.at_end=false") ||
+      cai::testing::Mentions(sets, "train.grad_accum")) {
+    return;
+  }
+  cai::testing::ExpectEstimateIsTheDevicePeak(run);
+  cai::testing::ExpectEstimateIsTheHostPeak(run);
+}
+
 // `options` are keys of [plugin.low_level_zero] ("stage=2").
 TrainRun Zero(const std::string& name, int nproc, const std::vector<std::string>& options,
               std::vector<std::string> sets = {}) {
   sets.push_back("plugin.name=low_level_zero");
   for (const std::string& o : options) sets.push_back("plugin.low_level_zero." + o);
-  return cai::testing::RunTrain(RunDir(name + "_zero" + std::to_string(nproc)), kTinyGptJob, nproc,
-                                sets, CAI_ZERO_MANIFEST);
+  TrainRun run = cai::testing::RunTrain(RunDir(name + "_zero" + std::to_string(nproc)), kTinyGptJob,
+                                        nproc, sets, CAI_ZERO_MANIFEST);
+  ExpectEstimateIsThePeak(run, sets);
+  return run;
 }
 
 // Elements each rank owns of a model with one bucket: ceil(Ψ / N).
@@ -78,7 +94,8 @@ TEST(LowLevelZero, PlainSgd_TwoAndThreeRanksBothStages_MatchReference) {
 }
 
 // Buckets of 4096 elements: the model needs several (wte alone exceeds one), reduce-scatters
-// overlap backward with at most two staging buffers in flight, and the plugin's max_norm
+// overlap backward with at most three buckets' staging held (two in flight, one collecting;
+// wte's gradient is ready a bucket early), and the plugin's max_norm
 // replaces optimizer.max_grad_norm.
 TEST(LowLevelZero, Stage2_SmallBucketsOneTwoThreeRanks_MatchReference) {
   const TrainRun ref = Reference("stage2", {});
@@ -263,8 +280,11 @@ TrainRun Resume(const std::string& name, int saved_nproc, int nproc,
                 std::vector<std::string> sets) {
   sets.push_back("plugin.name=low_level_zero");
   sets.push_back("checkpoint.resume=true");
-  return cai::testing::RunTrain(RunDir(name + "_zero" + std::to_string(saved_nproc)), kTinyGptJob,
-                                nproc, sets, CAI_ZERO_MANIFEST, /*resume=*/true, "resumed.txt");
+  TrainRun run =
+      cai::testing::RunTrain(RunDir(name + "_zero" + std::to_string(saved_nproc)), kTinyGptJob,
+                             nproc, sets, CAI_ZERO_MANIFEST, /*resume=*/true, "resumed.txt");
+  ExpectEstimateIsThePeak(run, sets);
+  return run;
 }
 
 // The checkpoint is the canonical per-parameter layout, so one saved on 2 ranks resumes on 3

@@ -34,10 +34,10 @@
 //
 // Per-rank memory (Ψ the parameters given, N the group size, k optimizer state slots, e = 4
 // fp32 / 2 bf16,fp16, shard S = Σ ceil(bucket/N) ≤ Ψ/N + buckets): parameters eΨ + gradients
-// (stage 1: eΨ full + S shard; stage 2: S shard + at most kMaxInFlight staging buckets) +
-// masters 4S (bf16/fp16 or cpu_offload) + state 4kS. With cpu_offload masters and state live
-// on the host tier; the host's fused CPU optimizer updates them from a pinned copy of the
-// gradient shard.
+// (stage 1: eΨ full + S shard; stage 2: S shard + the staging of at most kMaxInFlight + 1
+// consecutive buckets) + masters 4S (bf16/fp16 or cpu_offload) + state 4kS. With cpu_offload
+// masters and state live on the host tier; the host's fused CPU optimizer updates them from a
+// pinned copy of the gradient shard. EstimateMemory replays this for a layout.
 //
 // Not thread-safe; the grad-ready hook runs while the owner waits in the model's backward.
 #ifndef CAI_SDK_ZERO_HPP_
@@ -341,15 +341,95 @@ class ZeroOptimizer {
     stats.master_bytes += master_.size();
   }
 
+  // What a ZeroOptimizer over parameters of `numel` elements (registration order, as the
+  // constructor takes them) on `group_size` ranks holds per rank, with `state_slots` fp32
+  // optimizer state slots per element in a model of `model_params` parameters: its buffers,
+  // and the most each tier's pool holds at once over construction, steps and a checkpoint.
+  // Exact when gradients become ready bucket by bucket (a tied weight's a bucket early
+  // included); o.grad_accumulation > 1 adds stage 2's fp32 shard and reduced-chunk buffers.
+  struct Memory {
+    uint64_t params = 0, grads = 0, masters = 0, state = 0;  // held throughout
+    uint64_t transient = 0;  // the device's largest passing buffers (staging, flags, checkpoint)
+    uint64_t device = 0;     // peak
+    uint64_t host = 0;       // peak of the host tiers (cpu_offload), pinned copies included
+  };
+  static Memory EstimateMemory(std::span<const int64_t> numel, int32_t group_size, const Options& o,
+                               uint32_t state_slots, uint32_t model_params) {
+    const uint64_t n = static_cast<uint64_t>(std::max(group_size, 1));
+    const std::vector<int64_t> backward(numel.rbegin(), numel.rend());
+    std::vector<uint64_t> chunk;
+    size_t i = 0;
+    for (const size_t end : BucketEnds(backward, o.bucket_cap)) {
+      uint64_t sum = 0;
+      for (; i < end; ++i) sum += static_cast<uint64_t>(backward[i]);
+      chunk.push_back((sum + n - 1) / n);
+    }
+    uint64_t shard = 0, largest = 0;
+    for (const uint64_t c : chunk) {
+      shard += c;
+      largest = std::max(largest, c);
+    }
+    const bool mixed = o.precision != CAI_PRECISION_FP32;
+    const cai_dtype compute = ComputeDtype(o.precision);
+    const uint64_t e = ElementSize(compute), c = ElementSize(o.comm_dtype);
+    const bool accumulates = o.stage == 2 && o.grad_accumulation > 1;
+    const uint64_t g = accumulates ? 4 : c;  // the gradient shard's element
+    Memory m;
+    m.params = e * shard * n;
+    m.grads = (o.stage == 1 ? e * shard * n : 0) + g * shard;
+    m.masters = (mixed && o.master_weights) || o.cpu_offload ? 4 * shard : 0;
+    m.state = 4ull * state_slots * shard;
+    // Staged buckets: at most kMaxInFlight + 1 consecutive ones, each with its reduced chunk's
+    // buffer when reductions accumulate.
+    uint64_t window = 0;
+    if (o.stage == 2 || !SameDtype(o.comm_dtype, compute)) {
+      const size_t w = std::min(kMaxInFlight + 1, chunk.size());
+      for (size_t b = 0; b + w <= chunk.size(); ++b) {
+        uint64_t sum = 0;
+        for (size_t j = b; j < b + w; ++j) {
+          sum += c * chunk[j] * n + (accumulates ? c * chunk[j] : 0);
+        }
+        window = std::max(window, sum);
+      }
+    }
+    const uint64_t flags = 8ull * (2 + model_params);  // the step's all-reduce (StepEpilogue)
+    const uint64_t transient_master = mixed && !o.master_weights ? 4 * largest : 0;
+    const uint64_t checkpoint = m.masters > 0 || state_slots > 0 ? 4 * largest * n : 0;
+    m.transient = std::max({window, flags, transient_master, checkpoint});
+    const uint64_t states = m.masters + m.state;
+    m.device = m.params + m.grads + (o.cpu_offload ? 0 : states) + m.transient;
+    m.host = o.cpu_offload ? states + g * shard + (mixed ? e * shard : 0) : 0;
+    return m;
+  }
+
   // Share of the gradient reductions' windows that compute covered (OverlapMeter): 0 without
   // overlap_communication, where every reduce-scatter runs synchronously after backward.
   double overlap_ratio() const { return overlap_.ratio(); }
 
  private:
-  // Stage 2 keeps at most this many buckets' staging buffers in flight: the oldest reduction
-  // is waited for before a further one starts, so gradient memory stays bounded by
-  // kMaxInFlight buckets plus the shard.
+  // Buckets whose gradients are staged (stage 2, or a communication dtype other than the
+  // compute dtype) keep at most this many reductions in flight: the oldest is waited for before
+  // a further one starts, and before a bucket more than this many ahead of it starts collecting
+  // (a tied weight's gradient can be ready a bucket early). Staging then lies within
+  // kMaxInFlight + 1 consecutive buckets, which bounds gradient memory beyond the shard.
   static constexpr size_t kMaxInFlight = 2;
+
+  // ColossalAI's bucket rule over parameters in backward order (`numel`): a parameter that
+  // would overflow the bucket starts a new one. Each bucket's end (exclusive) in `numel`.
+  static std::vector<size_t> BucketEnds(std::span<const int64_t> numel, size_t cap) {
+    std::vector<size_t> ends;
+    size_t filled = 0;
+    for (size_t i = 0; i < numel.size(); ++i) {
+      const auto n = static_cast<size_t>(numel[i]);
+      if (filled > 0 && filled + n > cap) {
+        ends.push_back(i);
+        filled = 0;
+      }
+      filled += n;
+    }
+    ends.push_back(numel.size());
+    return ends;
+  }
 
   // Slots [first_slot, end_slot), padded to `chunk` elements per rank.
   struct Bucket {
@@ -385,27 +465,24 @@ class ZeroOptimizer {
                       "(model.freeze)");
     }
     const size_t n = static_cast<size_t>(size_);
-    auto close = [&] {
-      Bucket& b = buckets_.back();
+    std::vector<int64_t> numel(params.size());  // backward order
+    for (size_t i = 0; i < params.size(); ++i) {
+      numel[i] = ParamInfo(model_, params[params.size() - 1 - i]).numel;
+    }
+    size_t i = 0;
+    for (const size_t end : BucketEnds(numel, o_.bucket_cap)) {
+      Bucket& b = buckets_.emplace_back();
+      b.first_slot = layout_.size();
+      b.offset = layout_.numel();
+      for (; i < end; ++i) {
+        bucket_of_slot_.push_back(buckets_.size() - 1);
+        layout_.Add(model_, params[params.size() - 1 - i]);
+        b.numel += static_cast<size_t>(numel[i]);
+      }
       b.end_slot = layout_.size();
       b.chunk = (b.numel + n - 1) / n;
       layout_.Pad(b.chunk * n - b.numel);
-    };
-    for (size_t i = params.size(); i-- > 0;) {
-      const size_t numel = static_cast<size_t>(ParamInfo(model_, params[i]).numel);
-      // ColossalAI's bucket rule: a parameter that would overflow the bucket starts a new one.
-      if (buckets_.empty() ||
-          (buckets_.back().numel > 0 && buckets_.back().numel + numel > o_.bucket_cap)) {
-        if (!buckets_.empty()) close();
-        Bucket& b = buckets_.emplace_back();
-        b.first_slot = layout_.size();
-        b.offset = layout_.numel();
-      }
-      bucket_of_slot_.push_back(buckets_.size() - 1);
-      layout_.Add(model_, params[i]);
-      buckets_.back().numel += numel;
     }
-    close();
     const size_t r = static_cast<size_t>(rank_);
     for (Bucket& b : buckets_) {
       b.shard_offset = shard_;
@@ -433,6 +510,7 @@ class ZeroOptimizer {
     }
     staging_.clear();
     staging_.resize(buckets_.size());
+    top_ = 0;
     next_launch_ = 0;
     overlap_.Discard();
   }
@@ -459,6 +537,8 @@ class ZeroOptimizer {
     if (o_.stage == 2) {
       Buffer& staging = staging_[b];
       if (!staging.get()) {
+        top_ = std::max(top_, b);
+        while (!flights_.empty() && flights_.front().bucket + kMaxInFlight < top_) Complete();
         staging =
             AllocFlat(CAI_MEM_DEVICE, buckets_[b].chunk * size_, o_.comm_dtype, "zero.bucket");
       }
@@ -517,9 +597,10 @@ class ZeroOptimizer {
             RunCollective(CAI_COMM_REDUCE_SCATTER, &input, output, false, CAI_REDUCE_SUM, o_.group);
       });
     }
+    const bool staged = f.staging.get() != nullptr;
     flights_.push_back(std::move(f));
     // Bounded gradient memory: finish the oldest reduction before starting more.
-    while (o_.stage == 2 && flights_.size() > kMaxInFlight) Complete();
+    while (staged && flights_.size() > kMaxInFlight) Complete();
   }
 
   // Waits for the oldest reduction and lands its result in the shard.
@@ -690,6 +771,7 @@ class ZeroOptimizer {
   std::vector<uint8_t> update_;      // slot is updated by this step (used on some rank)
   std::vector<size_t> pending_;      // per bucket: slots not yet ready
   std::vector<Buffer> staging_;      // stage 2: per bucket, filled as gradients arrive
+  size_t top_ = 0;                   // stage 2: the furthest bucket that has begun collecting
   size_t next_launch_ = 0;
   std::deque<Flight> flights_;
   OverlapMeter overlap_;

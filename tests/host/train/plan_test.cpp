@@ -136,6 +136,11 @@ TEST(Plan, Estimates_AreThePluginsOwnForTheOptionsSized) {
     args.world_size = 2;
     args.precision = CAI_PRECISION_FP32;
     args.optimizer_state_slots = 2;
+    args.num_layout_params = static_cast<uint32_t>(plan.size.param_numel.size());
+    args.param_numel = plan.size.param_numel.data();
+    args.param_unit = plan.size.param_unit.data();
+    args.num_layout_units = static_cast<uint32_t>(plan.size.unit_kind.size());
+    args.unit_kind = plan.size.unit_kind.data();
     cai_memory_estimate out{};
     out.struct_size = CAI_MEMORY_ESTIMATE_STRUCT_SIZE;
     ASSERT_EQ(plugin.api->estimate_memory(&args, &out), nullptr);
@@ -152,11 +157,12 @@ TEST(Plan, Estimates_AreThePluginsOwnForTheOptionsSized) {
 TEST(Plan, Auto_RunsTheConfigurationItSized) {
   char pattern[] = "/tmp/cai-auto-XXXXXX";
   std::filesystem::path dir = mkdtemp(pattern);
-  // Ψ = 34688 fp32, Adam: stage 2 needs 10Ψ = 346,880 B per rank, with offload 6Ψ = 208,128 B.
+  // Ψ = 34688 fp32, Adam, one bucket: stage 2 needs 4Ψ parameters, a bucket's staging 4Ψ and
+  // (4 + 8)Ψ/2 shards = 485,632 B per rank, with offload 346,880 B; 0.0004 GiB is 429,497 B.
   auto train =
       RunCommand(std::string("env -u CAI_PLUGIN_PATH -u CAI_PLUGIN_FILES HOME=/nonexistent ") +
                  CAI_EXE + " train " + TINY_JOB + " --nproc 2 --run-dir " + dir.string() +
-                 " --set plugin.name=auto --set train.steps=2 --set launch.device_memory_gib=0.0003"
+                 " --set plugin.name=auto --set train.steps=2 --set launch.device_memory_gib=0.0004"
                  " --set plugin.low_level_zero.reduce_bucket_size_in_m=0.5");
   ASSERT_EQ(train.code, 0) << train.output;
   CAI_EXPECT_CONTAINS(train.output, "chose 'low_level_zero'");

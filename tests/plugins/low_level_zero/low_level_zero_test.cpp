@@ -229,9 +229,9 @@ TEST(LowLevelZero, CommunicationPerStep_IsPsiReducedAndPsiGathered) {
 // the pool buffers the plugin holds; the tiers' peaks bound them). bf16 stage 2 on 3 ranks,
 // AdamW (k = 2 state slots), one bucket, shard S = ceil(Ψ/3) (padding below one element per
 // rank): optimizer state 8S, masters 4S (so 12Ψ/N + at most 12 bytes), gradient shard 2S,
-// parameters 2Ψ (+ padding). The device tier's peak is these plus at most two buckets in
-// flight (2·2·3S) and the control values. With cpu_offload masters and state are the host
-// tier's only buffers: its peak equals them exactly.
+// parameters 2Ψ (+ padding). The device tier's peak is these plus the one bucket's staging
+// (2·3S) or the control values. With cpu_offload masters and state are the host tier's only
+// buffers: its peak equals them exactly.
 TEST(LowLevelZero, Memory_OptimizerStateAndMastersAreShardedPerRank) {
   const TrainRun ref = Reference("memory", {});
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
@@ -256,7 +256,7 @@ TEST(LowLevelZero, Memory_OptimizerStateAndMastersAreShardedPerRank) {
     EXPECT_EQ(params[r], 2 * 3 * s3);
     const double held = state[r] + master[r] + grads[r] + params[r];
     EXPECT_GE(device[r], held);
-    EXPECT_LE(device[r], held + 2 * 2 * 3 * s3 + 8 * (2 + tensors));
+    EXPECT_LE(device[r], held + std::max(2 * 3 * s3, 8 * (2 + tensors)));
   }
 
   const TrainRun offload =

@@ -73,6 +73,7 @@
 #include <cai/sdk/bucket_reducer.hpp>
 #include <cai/sdk/collectives.hpp>
 #include <cai/sdk/flat.hpp>
+#include <cai/sdk/sharding.hpp>
 #include <cai/sdk/step.hpp>
 #include <cai/sdk/tensor_parallel.hpp>
 #include <cai/sdk/zero.hpp>
@@ -826,6 +827,10 @@ class HybridParallel {
     // ZeRO shards over every rank holding the same slice of the same stage: dp · sp.
     const uint64_t dp = std::max<uint64_t>(1, world / (pp * tp));
     const bool mixed = args.precision != CAI_PRECISION_FP32;
+    if (args.config && tp == 1 && sdk::HasLayout(args) &&
+        EstimateLayout(args, config, static_cast<int32_t>(pp), static_cast<int32_t>(dp), out)) {
+      return;
+    }
     const uint64_t stage = (static_cast<uint64_t>(args.num_params) + pp * tp - 1) / (pp * tp);
     const uint64_t sharded = zero > 0 ? (stage + dp - 1) / dp : stage;
     const uint64_t e = mixed ? 2 : 4;
@@ -846,6 +851,126 @@ class HybridParallel {
   struct Stage {
     int32_t first_unit = 0, last_unit = 0;
   };
+
+  // The virtual stages' units: `per[v]` blocks each, the blocks starting at unit
+  // `first_block`; the units before the blocks join stage 0, those after them the last.
+  static std::vector<Stage> StageBounds(int32_t num_units, int32_t first_block,
+                                        const std::vector<int32_t>& per) {
+    std::vector<Stage> all(per.size());
+    int32_t next = first_block;
+    for (size_t v = 0; v < per.size(); ++v) {
+      all[v].first_unit = v == 0 ? 0 : next;
+      next += per[v];
+      all[v].last_unit = v + 1 == per.size() ? num_units : next;
+    }
+    return all;
+  }
+  static int32_t RankOf(int32_t v, int32_t pp, bool zbv) {
+    return zbv && v >= pp ? 2 * pp - 1 - v : v % pp;
+  }
+
+  // The estimate from the model's layout, without tensor parallelism (which splits parameters
+  // the layout does not name): each pipeline rank's parameters as PlanStages assigns them, the
+  // optimizer it runs over them (ZeroOptimizer's own estimate, or DataParallelReplica's
+  // buffers), the largest rank. A head without an output projection of its own reads the token
+  // embedding (GPT-2's tied head), which its rank then holds too. False where the layout cannot
+  // be staged (boost refuses it, naming why).
+  static bool EstimateLayout(const cai_memory_estimate_args& args, const sdk::Config& config,
+                             int32_t pp, int32_t dp, cai_memory_estimate& out) {
+    const int32_t num_units = static_cast<int32_t>(args.num_layout_units);
+    std::vector<int32_t> blocks;
+    for (int32_t u = 0; u < num_units; ++u) {
+      if (args.unit_kind[u] == CAI_UNIT_BLOCK) blocks.push_back(u);
+    }
+    const bool zbv = config.String("pp_style") == "zbv";
+    const int32_t total = pp * static_cast<int32_t>(config.Int("num_model_chunks"));
+    std::vector<int32_t> rank_of_unit(num_units, 0);
+    if (total > 1) {
+      const auto layers = static_cast<int32_t>(blocks.size());
+      if (blocks.empty() || blocks.back() - blocks.front() + 1 != layers) return false;
+      std::vector<int32_t> per = DistributeLayers(layers, total);
+      if (const std::string text = config.String("num_layers_per_stage"); !text.empty()) {
+        per = ParseCounts(text).value_or(std::vector<int32_t>{});
+        if (static_cast<int32_t>(per.size()) != total ||
+            std::accumulate(per.begin(), per.end(), 0) != layers) {
+          return false;
+        }
+      }
+      if (*std::min_element(per.begin(), per.end()) < 1) return false;
+      const std::vector<Stage> all = StageBounds(num_units, blocks.front(), per);
+      for (int32_t v = 0; v < total; ++v) {
+        for (int32_t u = all[v].first_unit; u < all[v].last_unit; ++u) {
+          rank_of_unit[u] = RankOf(v, pp, zbv);
+        }
+      }
+    }
+    const uint32_t n = args.num_layout_params;
+    // held[r][i]: pipeline rank r holds parameter i; one in no unit, every rank.
+    std::vector<std::vector<bool>> held(static_cast<size_t>(pp), std::vector<bool>(n, false));
+    int32_t head = -1, embedding = -1;
+    bool head_projects = false;
+    for (uint32_t i = 0; i < n; ++i) {
+      const int32_t u = args.param_unit[i];
+      if (u < 0 || u >= num_units) {
+        for (auto& h : held) h[i] = true;
+        continue;
+      }
+      held[static_cast<size_t>(rank_of_unit[u])][i] = true;
+      if (args.unit_kind[u] == CAI_UNIT_EMBEDDING && embedding < 0)
+        embedding = static_cast<int32_t>(i);
+      if (args.unit_kind[u] == CAI_UNIT_HEAD) head = u;
+    }
+    for (uint32_t i = 0; embedding >= 0 && i < n; ++i) {
+      head_projects |=
+          args.param_unit[i] == head && args.param_numel[i] == args.param_numel[embedding];
+    }
+    if (head >= 0 && embedding >= 0 && !head_projects) {
+      held[static_cast<size_t>(rank_of_unit[head])][static_cast<size_t>(embedding)] = true;
+    }
+
+    const int zero = static_cast<int>(config.Int("zero_stage"));
+    const bool mixed = args.precision != CAI_PRECISION_FP32;
+    const uint64_t e = mixed ? 2 : 4, k = args.optimizer_state_slots;
+    // The step's agreement all-reduced over the world (StepEpilogue).
+    const uint64_t flags = args.world_size > 1 ? 8ull * (2 + n) : 0;
+    sdk::ZeroOptimizer::Options o;
+    o.stage = std::max(1, zero);
+    o.bucket_cap = static_cast<size_t>(config.Float("zero_bucket_size_in_m") * (1 << 20));
+    o.cpu_offload = config.Bool("cpu_offload");
+    o.precision = args.precision;
+    o.comm_dtype = sdk::ComputeDtype(args.precision);
+    const size_t struct_size = out.struct_size;
+    cai_extension_base* const extension = out.extension_start;
+    out = cai_memory_estimate{};
+    for (const std::vector<bool>& mine : held) {
+      std::vector<int64_t> numel;
+      for (uint32_t i = 0; i < n; ++i) {
+        if (mine[i]) numel.push_back(args.param_numel[i]);
+      }
+      const uint64_t psi = std::accumulate(numel.begin(), numel.end(), uint64_t{0});
+      cai_memory_estimate rank{};
+      if (zero > 0) {
+        sdk::ZeroOptimizer::EstimateMemory(numel, dp, o, static_cast<uint32_t>(k), flags)
+            .Fill(rank);
+      } else {  // DataParallelReplica: fp32 weights (+ the 16-bit copy), buckets, state
+        rank.param_bytes = (mixed ? 4 + e : 4) * psi;
+        rank.grad_bytes = e * psi + flags;
+        rank.optimizer_state_bytes = 4 * k * psi;
+        rank.device_bytes = rank.param_bytes + rank.grad_bytes + rank.optimizer_state_bytes;
+      }
+      if (rank.device_bytes >= out.device_bytes) out = rank;
+    }
+    out.formula =
+        "the pipeline rank holding most: its stages' parameters as boost assigns the blocks (and, "
+        "for a head without an output projection of its own, the tied token embedding), under "
+        "zero_stage 1/2 ZeroOptimizer's buckets over dp·sp (padding, staging, masters, state, a "
+        "checkpoint's gathered bucket), under zero_stage 0 fp32 weights (+ the 16-bit copy), "
+        "buckets and state (4 + e + 4k)Ψ_stage; activations passed between stages not counted "
+        "(they depend on the batch)";
+    out.struct_size = struct_size;
+    out.extension_start = extension;
+    return true;
+  }
   // Parameters several pipeline ranks of a replica hold, the group of those ranks, and the
   // holder's rank in it.
   struct Shared {
@@ -1089,13 +1214,8 @@ class HybridParallel {
                       std::to_string(chunks_) +
                       "): every stage needs at least one block; use fewer stages or chunks");
     }
-    std::vector<Stage> all(total);
-    int32_t next = blocks.front();
-    for (int32_t v = 0; v < total; ++v) {
-      all[v].first_unit = v == 0 ? 0 : next;
-      next += per[v];
-      all[v].last_unit = v == total - 1 ? static_cast<int32_t>(num_units) : next;
-    }
+    const std::vector<Stage> all =
+        StageBounds(static_cast<int32_t>(num_units), blocks.front(), per);
     for (int32_t c = 0; c < chunks_; ++c) stages_.push_back(all[VirtualStage(c)]);
 
     // For every pipeline rank, the parameters its units hold or read.
@@ -1432,7 +1552,7 @@ class HybridParallel {
   int32_t VirtualStage(int32_t chunk) const {
     return zbv_ ? ZbvStage(pp_, pp_rank_, chunk) : chunk * pp_ + pp_rank_;
   }
-  int32_t RankOf(int32_t v) const { return zbv_ && v >= pp_ ? 2 * pp_ - 1 - v : v % pp_; }
+  int32_t RankOf(int32_t v) const { return RankOf(v, pp_, zbv_); }
   int32_t ChunkOf(int32_t v) const { return zbv_ ? (v >= pp_ ? 1 : 0) : v / pp_; }
 
   // The tied parameters' gradients summed over the pipeline ranks that use them.

@@ -198,15 +198,10 @@ class LowLevelZero {
       o.precision = args.precision;
       o.comm_dtype = cai::sdk::DtypeNamed(config.String("communication_dtype"),
                                           cai::sdk::ComputeDtype(args.precision));
-      const auto m = cai::sdk::ZeroOptimizer::EstimateMemory(
+      cai::sdk::ZeroOptimizer::EstimateMemory(
           {args.param_numel, args.num_layout_params}, args.world_size, o,
-          args.optimizer_state_slots, args.num_layout_params);
-      out.param_bytes = m.params;
-      out.grad_bytes = m.grads + m.transient;
-      out.master_bytes = m.masters;
-      out.optimizer_state_bytes = m.state;
-      out.device_bytes = m.device;
-      out.host_bytes = m.host;
+          args.optimizer_state_slots, args.world_size > 1 ? 8ull * (2 + args.num_layout_params) : 0)
+          .Fill(out);
       out.formula =
           "this model's buckets as boost lays them out: parameters e·P (P = Σ N·ceil(Ψ_b/N), "
           "buckets padded), gradients (ZeRO-1: e·P full +) e_comm·S shard (S = P/N), masters 4S "

@@ -58,11 +58,60 @@ std::vector<std::string> HybridSets(const std::vector<std::string>& options) {
   return sets;
 }
 
+// The value of `key` ("pp_size=") among the --set arguments (the last one given, as `cai
+// train` takes it), or `fallback`.
+int SetValue(const std::vector<std::string>& sets, const std::string& key, int fallback) {
+  int value = fallback;
+  for (const std::string& s : sets) {
+    const size_t at = s.find(key);
+    if (at != std::string::npos && (at == 0 || s[at - 1] == '.')) {
+      value = std::stoi(s.substr(at + key.size()));
+    }
+  }
+  return value;
+}
+
+// Without tensor parallelism the estimate (`cai plan`'s) is the model state of the pipeline
+// rank that holds most, as its optimizer lays it out: the largest rank's device peak is that
+// plus at most the activations and their gradients passed between stages, which the estimate
+// leaves out (they depend on the batch): bounded here by two buffers each way per micro-batch
+// and model chunk, of rows x seq_len x n_embd fp32 values. Left out: tensor
+// parallelism and TorchScript models (the formula over Ψ), model.freeze, and zero_stage 2 under
+// the job's 4 micro-batches (an fp32 shard the estimate, for one micro-batch, does not count).
+void ExpectEstimateBoundsThePeak(const TrainRun& run, int nproc,
+                                 const std::vector<std::string>& sets) {
+  if (run.exit_code != 0 || SetValue(sets, "tp_size=", 1) > 1 ||
+      cai::testing::Mentions(sets, "model.kind=torchscript") ||
+      cai::testing::Mentions(sets, "model.freeze") || SetValue(sets, "zero_stage=", 0) == 2) {
+    return;
+  }
+  const std::vector<double> estimate =
+      cai::testing::PerRank(run, "memory_estimate_per_rank", "device_bytes");
+  ASSERT_EQ(estimate.size(), 1u) << run.summary;
+  ASSERT_NE(run.summary.find("the pipeline rank holding most"), std::string::npos) << run.summary;
+  const std::vector<double> peaks = cai::testing::PerRank(run, "peak_bytes", "device");
+  ASSERT_FALSE(peaks.empty()) << run.summary;
+  const int pp = SetValue(sets, "pp_size=", 1);
+  const int chunks = SetValue(sets, "num_model_chunks=", 1);
+  const int micro_batches = SetValue(sets, "train.grad_accum=", 4);
+  const int dp = nproc / (pp * SetValue(sets, "sp_size=", 1));
+  const double rows = SetValue(sets, "train.global_batch=", 8) / double(dp * micro_batches);
+  const double activations = pp > 1 ? 2.0 * 2 * micro_batches * chunks * std::ceil(rows) *
+                                          SetValue(sets, "train.seq_len=", 16) *
+                                          SetValue(sets, "model.n_embd=", 32) * 4
+                                    : 0;
+  const double largest = *std::max_element(peaks.begin(), peaks.end());
+  EXPECT_GE(largest, estimate[0]) << run.summary;
+  EXPECT_LE(largest, estimate[0] + activations) << run.summary;
+}
+
 TrainRun Hybrid(const std::string& name, int nproc, const std::vector<std::string>& options,
                 std::vector<std::string> sets = {}) {
   const std::vector<std::string> plugin = HybridSets(options);
   sets.insert(sets.end(), plugin.begin(), plugin.end());
-  return Run(name, nproc, sets);
+  TrainRun run = Run(name, nproc, sets);
+  ExpectEstimateBoundsThePeak(run, nproc, Job(sets));
+  return run;
 }
 
 // A checkpoint saved by one layout after 3 of 6 steps and resumed by another: the

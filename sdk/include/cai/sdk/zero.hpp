@@ -343,8 +343,10 @@ class ZeroOptimizer {
 
   // What a ZeroOptimizer over parameters of `numel` elements (registration order, as the
   // constructor takes them) on `group_size` ranks holds per rank, with `state_slots` fp32
-  // optimizer state slots per element in a model of `model_params` parameters: its buffers,
-  // and the most each tier's pool holds at once over construction, steps and a checkpoint.
+  // optimizer state slots per element, its owner's step agreement all-reducing `flags_bytes`
+  // (StepEpilogue: 8·(2 + the model's parameters) over more than one rank, else 0): its
+  // buffers, and the most each tier's pool holds at once over construction, steps and a
+  // checkpoint.
   // Exact when gradients become ready bucket by bucket (a tied weight's a bucket early
   // included); o.grad_accumulation > 1 adds stage 2's fp32 shard and reduced-chunk buffers.
   struct Memory {
@@ -352,9 +354,19 @@ class ZeroOptimizer {
     uint64_t transient = 0;  // the device's largest passing buffers (staging, flags, checkpoint)
     uint64_t device = 0;     // peak
     uint64_t host = 0;       // peak of the host tiers (cpu_offload), pinned copies included
+    // Into estimate_memory's answer (`formula` left alone): the passing buffers count as
+    // gradients.
+    void Fill(cai_memory_estimate& out) const {
+      out.param_bytes = params;
+      out.grad_bytes = grads + transient;
+      out.master_bytes = masters;
+      out.optimizer_state_bytes = state;
+      out.device_bytes = device;
+      out.host_bytes = host;
+    }
   };
   static Memory EstimateMemory(std::span<const int64_t> numel, int32_t group_size, const Options& o,
-                               uint32_t state_slots, uint32_t model_params) {
+                               uint32_t state_slots, uint64_t flags_bytes) {
     const uint64_t n = static_cast<uint64_t>(std::max(group_size, 1));
     const std::vector<int64_t> backward(numel.rbegin(), numel.rend());
     std::vector<uint64_t> chunk;
@@ -392,10 +404,9 @@ class ZeroOptimizer {
         window = std::max(window, sum);
       }
     }
-    const uint64_t flags = 8ull * (2 + model_params);  // the step's all-reduce (StepEpilogue)
     const uint64_t transient_master = mixed && !o.master_weights ? 4 * largest : 0;
     const uint64_t checkpoint = m.masters > 0 || state_slots > 0 ? 4 * largest * n : 0;
-    m.transient = std::max({window, flags, transient_master, checkpoint});
+    m.transient = std::max({window, flags_bytes, transient_master, checkpoint});
     const uint64_t states = m.masters + m.state;
     m.device = m.params + m.grads + (o.cpu_offload ? 0 : states) + m.transient;
     m.host = o.cpu_offload ? states + g * shard + (mixed ? e * shard : 0) : 0;

@@ -916,8 +916,9 @@ class HybridParallel {
         continue;
       }
       held[static_cast<size_t>(rank_of_unit[u])][i] = true;
-      if (args.unit_kind[u] == CAI_UNIT_EMBEDDING && embedding < 0)
+      if (args.unit_kind[u] == CAI_UNIT_EMBEDDING && embedding < 0) {
         embedding = static_cast<int32_t>(i);
+      }
       if (args.unit_kind[u] == CAI_UNIT_HEAD) head = u;
     }
     for (uint32_t i = 0; embedding >= 0 && i < n; ++i) {
@@ -964,9 +965,9 @@ class HybridParallel {
         "the pipeline rank holding most: its stages' parameters as boost assigns the blocks (and, "
         "for a head without an output projection of its own, the tied token embedding), under "
         "zero_stage 1/2 ZeroOptimizer's buckets over dp·sp (padding, staging, masters, state, a "
-        "checkpoint's gathered bucket), under zero_stage 0 fp32 weights (+ the 16-bit copy), "
-        "buckets and state (4 + e + 4k)Ψ_stage; activations passed between stages not counted "
-        "(they depend on the batch)";
+        "checkpoint's gathered bucket), under zero_stage 0 fp32 weights, buckets and state "
+        "(4 + e + 4k)Ψ_stage (+ eΨ_stage for the 16-bit copy under bf16/fp16); activations "
+        "passed between stages not counted (they depend on the batch)";
     out.struct_size = struct_size;
     out.extension_start = extension;
     return true;

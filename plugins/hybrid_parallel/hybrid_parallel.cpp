@@ -888,16 +888,10 @@ class HybridParallel {
     if (total > 1) {
       const auto layers = static_cast<int32_t>(blocks.size());
       if (blocks.empty() || blocks.back() - blocks.front() + 1 != layers) return false;
-      std::vector<int32_t> per = DistributeLayers(layers, total);
-      if (const std::string text = config.String("num_layers_per_stage"); !text.empty()) {
-        per = ParseCounts(text).value_or(std::vector<int32_t>{});
-        if (static_cast<int32_t>(per.size()) != total ||
-            std::accumulate(per.begin(), per.end(), 0) != layers) {
-          return false;
-        }
-      }
-      if (*std::min_element(per.begin(), per.end()) < 1) return false;
-      const std::vector<Stage> all = StageBounds(num_units, blocks.front(), per);
+      const std::optional<std::vector<int32_t>> per =
+          BlocksPerStage(config.String("num_layers_per_stage"), total, layers);
+      if (!per || *std::min_element(per->begin(), per->end()) < 1) return false;
+      const std::vector<Stage> all = StageBounds(num_units, blocks.front(), *per);
       for (int32_t v = 0; v < total; ++v) {
         for (int32_t u = all[v].first_unit; u < all[v].last_unit; ++u) {
           rank_of_unit[u] = RankOf(v, pp, zbv);
@@ -1205,8 +1199,7 @@ class HybridParallel {
                       "pipeline parallelism needs a zoo model (model.kind = \"gpt2\" or "
                       "\"llama\")");
     }
-    std::vector<int32_t> per = DistributeLayers(layers, total);
-    if (!layers_per_stage_text_.empty()) per = ParseLayersPerStage(total, layers);
+    const std::vector<int32_t> per = ParseLayersPerStage(total, layers);
     if (*std::min_element(per.begin(), per.end()) < 1) {
       throw Error(CAI_INVALID_ARGUMENT,
                   "hybrid_parallel: " + std::to_string(layers) +
@@ -1300,11 +1293,26 @@ class HybridParallel {
     return counts;
   }
 
+  // The blocks of each of `stages` virtual stages: the counts num_layers_per_stage (`text`)
+  // lists, or DistributeLayers' when it is empty; nullopt unless `text` lists `stages` counts
+  // that add up to `layers`.
+  static std::optional<std::vector<int32_t>> BlocksPerStage(const std::string& text, int32_t stages,
+                                                            int32_t layers) {
+    if (text.empty()) return DistributeLayers(layers, stages);
+    std::vector<int32_t> per = ParseCounts(text).value_or(std::vector<int32_t>{});
+    if (static_cast<int32_t>(per.size()) != stages ||
+        std::accumulate(per.begin(), per.end(), 0) != layers) {
+      return std::nullopt;
+    }
+    return per;
+  }
+
+  // BlocksPerStage for this instance's num_layers_per_stage; an error naming the key when it
+  // does not fit the model.
   std::vector<int32_t> ParseLayersPerStage(int32_t stages, int32_t layers) const {
-    const std::vector<int32_t> per =
-        ParseCounts(layers_per_stage_text_).value_or(std::vector<int32_t>{});
-    const int32_t sum = std::accumulate(per.begin(), per.end(), 0);
-    if (static_cast<int32_t>(per.size()) != stages || sum != layers) {
+    std::optional<std::vector<int32_t>> per =
+        BlocksPerStage(layers_per_stage_text_, stages, layers);
+    if (!per) {
       throw Error(
           CAI_INVALID_ARGUMENT,
           "hybrid_parallel: num_layers_per_stage = \"" + layers_per_stage_text_ + "\" must list " +
@@ -1320,7 +1328,7 @@ class HybridParallel {
               }() +
               "\"");
     }
-    return per;
+    return *per;
   }
 
   void CheckMicroBatch(const cai_micro_batch& batch) const {

@@ -15,16 +15,22 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: cai bench comm [--nproc N] [--min-bytes B] [--max-bytes B] [--factor F] [--lanes L]\n"
+    "                      [--transport auto|tcp]\n"
     "  Times every collective over sizes from --min-bytes (default 4K) to --max-bytes (256M),\n"
     "  multiplying by --factor (4), on N ranks (2) of this machine or as the rank the\n"
     "  environment names (torchrun / SLURM / Open MPI variables), and prints nccl-tests'\n"
     "  table: time, algorithm bandwidth and bus bandwidth (all_gather also in place). Before\n"
     "  and after it, on plain TCP connections of its own around the ring: the bound (every rank\n"
     "  sending and receiving at once, how busy that keeps each rank) and the plain ring's\n"
-    "  reduce_scatter and all_gather; the summary holds each op at >= 64 MiB against both.\n"
+    "  reduce_scatter and all_gather; with shared memory also its bound (every rank copying\n"
+    "  into its outbox and out of its neighbour's); the summary holds each op at >= 64 MiB\n"
+    "  against them.\n"
     "  Sizes take K, M or G suffixes.\n"
     "  --lanes: connections per peer that large collectives are split over (launch.comm_lanes,\n"
-    "  default 2).\n";
+    "  default 2).\n"
+    "  --transport: auto (default) sends all_reduce, reduce_scatter and all_gather through\n"
+    "  shared memory between ranks of one host, tcp over the connections\n"
+    "  (launch.comm_transport).\n";
 
 size_t ParseBytes(const std::string& text) {
   size_t pos = 0;
@@ -53,6 +59,7 @@ int RunBenchCommand(const GlobalOptions&, std::span<const std::string> args) {
   launch.nproc = 2;
   CommBenchOptions bench;
   int lanes = CommOptions{}.lanes;
+  bool shared_memory = CommOptions{}.shared_memory;
   launch.args = {"bench", "comm"};
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -80,6 +87,11 @@ int RunBenchCommand(const GlobalOptions&, std::span<const std::string> args) {
         throw Error(CAI_INVALID_ARGUMENT,
                     "--lanes takes a whole number from 1 to 16, not '" + value + "'");
       }
+    } else if (a == "--transport") {
+      if (value != "auto" && value != "tcp") {
+        throw Error(CAI_INVALID_ARGUMENT, "--transport takes auto or tcp, not '" + value + "'");
+      }
+      shared_memory = value == "auto";
     } else if (a == "--factor") {
       bench.factor = ParseBytes(value);
       if (bench.factor < 2) throw Error(CAI_INVALID_ARGUMENT, "--factor must be at least 2");
@@ -101,6 +113,7 @@ int RunBenchCommand(const GlobalOptions&, std::span<const std::string> args) {
     comm.master_addr = env.master_addr;
     comm.master_port = env.master_port;
     comm.lanes = lanes;
+    comm.shared_memory = shared_memory;
     Communicator::Init(comm);
     const int code = RunCommBenchmark(bench, std::cout);
     Communicator::Shutdown();

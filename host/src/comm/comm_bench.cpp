@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/shm_ring.h"
 #include "core/status.h"
 
 namespace cai {
@@ -287,6 +288,66 @@ class PlainRing {
   std::unique_ptr<Fd> to_next_, from_prev_;
 };
 
+// The shared-memory ring measured as the TCP bound is, on a ring of its own beside the
+// communicator's: every rank streams `bytes` into its outbox while streaming as much out of its
+// left neighbour's, slot by slot (comm::ShmRing::Stream).
+// - The bound: from and into one slot-sized buffer of its own, which stays in cache, so that
+//   nothing but the slots' own traffic between the two processes limits it. Every byte an
+//   operation sends goes through a slot, written by one rank and read by the next, and no
+//   operation has a source or destination cheaper than cache: none can beat it.
+// - The copy (not a bound): from and into buffers of `bytes`, in memory, what moving bytes
+//   between two processes' own buffers through shared memory costs, as sockets do in the TCP
+//   bound (where the kernel makes the same two copies). An operation touches at least as much
+//   memory per byte sent; one whose data is still in cache when it copies it out (all_reduce's
+//   reduced chunk, all_gather's in-place block) can still come close to it or pass it.
+class ShmBound {
+ public:
+  explicit ShmBound(Communicator& comm) : comm_(comm) {
+    std::string why_not;
+    ring_ = comm::ShmRing::Open(
+        comm.rank(), comm.world_size(),
+        [&](std::span<const int64_t> mine) { return comm.AllGather(mine); }, &why_not);
+    if (!ring_) throw Error(CAI_UNAVAILABLE, "comm benchmark: no shared-memory ring: " + why_not);
+  }
+
+  struct Figures {
+    double bound = 0;  // GB/s per rank, cache to cache
+    double copy = 0;   // GB/s per rank, memory to memory
+  };
+
+  // Medians over `reps` runs of each, alternating, after one that faults the pages in.
+  Figures Measure(size_t bytes, int reps) {
+    std::vector<std::byte> src(bytes, std::byte{1}), dst(bytes);
+    std::vector<double> bound, copy;
+    for (int i = 0; i <= reps; ++i) {
+      const double t_bound = Timed(src, dst, comm::ShmRing::kSlotBytes, bytes);
+      const double t_copy = Timed(src, dst, bytes, bytes);
+      if (i == 0) continue;
+      bound.push_back(static_cast<double>(bytes) / t_bound / 1e9);
+      copy.push_back(static_cast<double>(bytes) / t_copy / 1e9);
+    }
+    std::sort(bound.begin(), bound.end());
+    std::sort(copy.begin(), copy.end());
+    return {bound[bound.size() / 2], copy[copy.size() / 2]};
+  }
+
+ private:
+  // The slowest rank's seconds, started together.
+  double Timed(const std::vector<std::byte>& src, std::vector<std::byte>& dst, size_t window,
+               size_t bytes) {
+    const comm::ShmRing::CheckPeers none;
+    comm_.Barrier();
+    const auto start = std::chrono::steady_clock::now();
+    ring_->Stream(src.data(), dst.data(), window, bytes, std::chrono::minutes(2), none);
+    return comm_.AllReduce(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+        CAI_REDUCE_MAX);
+  }
+
+  Communicator& comm_;
+  std::unique_ptr<comm::ShmRing> ring_;
+};
+
 }  // namespace
 
 int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
@@ -308,12 +369,25 @@ int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
     const int bound_reps = 9;
     std::unique_ptr<PlainRing> ring;
     PlainRing::Figures before;
+    // all_reduce, reduce_scatter and all_gather run through shared memory on this group: their
+    // bound is then the shared-memory ring's.
+    const bool shm = comm->SharedMemory(nullptr);
+    std::unique_ptr<ShmBound> shm_ring;
+    ShmBound::Figures shm_before;
     if (n > 1) {
       ring = std::make_unique<PlainRing>(*comm);
       before = ring->Measure(bound_bytes, bound_reps);
+      if (shm) {
+        shm_ring = std::make_unique<ShmBound>(*comm);
+        shm_before = shm_ring->Measure(bound_bytes, bound_reps);
+      }
     }
     // A broadcast's receivers send nothing back: the ring's bound is not its.
     auto bounded = [&](cai_comm_op op) { return n > 1 && op != CAI_COMM_BROADCAST; };
+    auto through_shm = [&](cai_comm_op op) {
+      return shm && (op == CAI_COMM_ALL_REDUCE || op == CAI_COMM_REDUCE_SCATTER ||
+                     op == CAI_COMM_ALL_GATHER);
+    };
     char line[400];
     if (print) {
       out << "# cai comm benchmark: " << n << " ranks, float32, sum, " << comm->BackendInfo(nullptr)
@@ -332,6 +406,20 @@ int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
                       "on %zu B\n",
                       before.reduce_scatter, before.all_gather, bound_bytes);
         out << line;
+        if (shm) {
+          std::snprintf(line, sizeof(line),
+                        "# shm bound: shared memory between the ranks, each streaming %zu B "
+                        "into its outbox while streaming as much out of its neighbour's, from and "
+                        "into a slot-sized buffer in cache, median of %d: %.3f GB/s per rank "
+                        "(all_reduce, reduce_scatter, all_gather)\n",
+                        bound_bytes, bound_reps, shm_before.bound);
+          out << line;
+          std::snprintf(line, sizeof(line),
+                        "# shm copy: the same from and into buffers of %zu B in memory (not a "
+                        "bound): %.3f GB/s per rank\n",
+                        bound_bytes, shm_before.copy);
+          out << line;
+        }
       }
       std::snprintf(line, sizeof(line), "#%13s %12s %8s %6s %15s %12s %12s %12s %8s\n", "size(B)",
                     "count", "type", "redop", "op", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
@@ -388,8 +476,10 @@ int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
         if (count * sizeof(float) >= options.large_bytes) best_large = std::max(best_large, busbw);
         if (print) {
           char share[16] = "-";
-          if (bounded(op))
-            std::snprintf(share, sizeof(share), "%.0f%%", 100 * busbw / before.bound);
+          if (bounded(op)) {
+            std::snprintf(share, sizeof(share), "%.0f%%",
+                          100 * busbw / (through_shm(op) ? shm_before.bound : before.bound));
+          }
           std::snprintf(
               line, sizeof(line), "%14zu %12zu %8s %6s %15s %12.1f %12.3f %12.3f %8s\n",
               count * sizeof(float), count, "float",
@@ -404,6 +494,10 @@ int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
     }
     if (n > 1) {
       const PlainRing::Figures after = ring->Measure(bound_bytes, bound_reps);
+      const ShmBound::Figures shm_after =
+          shm ? shm_ring->Measure(bound_bytes, bound_reps) : ShmBound::Figures{};
+      const double shm_bound = std::max(shm_before.bound, shm_after.bound);
+      const double shm_copy = std::max(shm_before.copy, shm_after.copy);
       const double bound = std::max(before.bound, after.bound);
       const double plain_rs = std::max(before.reduce_scatter, after.reduce_scatter);
       const double plain_ag = std::max(before.all_gather, after.all_gather);
@@ -420,10 +514,24 @@ int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
                       whole_mib ? options.large_bytes >> 20 : options.large_bytes,
                       whole_mib ? "MiB" : "B");
         out << line;
+        if (shm) {
+          std::snprintf(line, sizeof(line),
+                        "# shm bound after: %.3f GB/s; shm copy after: %.3f GB/s\n",
+                        shm_after.bound, shm_after.copy);
+          out << line;
+        }
         for (const auto& [c, busbw] : large) {
           const cai_comm_op op = c.op;
-          std::snprintf(line, sizeof(line), "#   %-15s %8.3f GB/s %5.0f%% of the bound %.3f GB/s",
-                        c.name, busbw, 100 * busbw / bound, bound);
+          if (through_shm(op)) {
+            std::snprintf(line, sizeof(line),
+                          "#   %-15s %8.3f GB/s %5.0f%% of the shm bound %.3f GB/s, %5.0f%% of "
+                          "shm copy %.3f GB/s, %5.0f%% of the TCP bound %.3f GB/s",
+                          c.name, busbw, 100 * busbw / shm_bound, shm_bound, 100 * busbw / shm_copy,
+                          shm_copy, 100 * busbw / bound, bound);
+          } else {
+            std::snprintf(line, sizeof(line), "#   %-15s %8.3f GB/s %5.0f%% of the bound %.3f GB/s",
+                          c.name, busbw, 100 * busbw / bound, bound);
+          }
           out << line;
           // The plain all_gather copies its own block in, as the out-of-place one does.
           const double plain = op == CAI_COMM_ALL_REDUCE                  ? plain_ar

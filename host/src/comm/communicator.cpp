@@ -13,6 +13,11 @@
 //                   its own, each lane on its own thread moving a contiguous share of every
 //                   chunk: Gloo serves all of a device's connections on one thread, which then
 //                   sends and receives in turn (bench/README.md has the figures).
+//   shared memory   when every rank of a group maps its neighbours' outboxes (one host;
+//                   CommOptions::shared_memory), all_reduce, reduce_scatter and all_gather of
+//                   host memory take comm/shm_ring.h's ring instead: the same rings, through
+//                   slots in /dev/shm rather than sockets; a wait on a neighbour polls the
+//                   neighbour's Gloo connection, so a dead peer fails it as it would over TCP.
 //   broadcast       gloo::broadcast, a binomial tree from the root (on 2 and 3 ranks the root
 //                   sends every copy).
 //   reduce          gloo::reduce: ring reduce-scatter, then the chunks gathered at the root;
@@ -49,8 +54,8 @@
 //
 // Byte counters: bytes handed to each operation are counted when it is issued, from its
 // arguments (the ABI's counters); bytes on the wire are measured from the kernel's TCP counters
-// of the group's connections when it completes (WireCounters in communicator.h). NCCL's are
-// not measurable from the host.
+// of the group's connections when it completes (WireCounters in communicator.h), plus what a
+// shared-memory collective wrote into its outbox. NCCL's are not measurable from the host.
 #include "comm/communicator.h"
 
 #include <arpa/inet.h>
@@ -79,6 +84,7 @@
 
 #include "comm/gloo_ops.h"
 #include "comm/liveness.h"
+#include "comm/shm_ring.h"
 #include "comm/store.h"
 #include "comm/tcp_bytes_sent.h"
 #include "core/status.h"
@@ -128,16 +134,29 @@ struct Counters {
   }
 };
 
-std::string GlooBackendInfo(int lanes) {
-  return "gloo (libgloo, TCP): all_reduce=gloo::allreduce ring, custom reductions for every "
-         "dtype/op, bf16/fp16 reduced in fp32, avg=sum then divided by n (reduce: on the root); "
+// How all_reduce, reduce_scatter and all_gather travel over TCP.
+std::string TcpRingsInfo(int lanes) {
+  return "all_reduce=gloo::allreduce ring, custom reductions for every dtype/op, bf16/fp16 "
+         "reduced in fp32, avg=sum then divided by n (reduce: on the root); "
          "reduce_scatter=ring on gloo unbound buffers, (n-1)/n of the input per rank; "
          "all_gather=ring on gloo unbound buffers, (n-1)/n of the output per rank; "
          "all_reduce, reduce_scatter and all_gather from 1 MiB per lane split over " +
-         std::to_string(lanes) +
-         " lane(s), each with its own connections and I/O thread; "
-         "broadcast=gloo::broadcast; reduce=gloo::reduce (ring reduce-scatter + gather to root); "
-         "all_to_all=gloo::alltoall; send/recv=gloo unbound buffers; barrier=gloo::barrier";
+         std::to_string(lanes) + " lane(s), each with its own connections and I/O thread";
+}
+
+// ... and through shared memory (comm/shm_ring.h).
+constexpr const char* kShmRingsInfo =
+    "all_reduce=ring through shared memory (every rank of the group on this host): a "
+    "reduce-scatter then an all-gather, segment by segment, bf16/fp16 reduced in fp32, avg=sum "
+    "then divided by n; reduce_scatter=ring through shared memory, each step reduced straight "
+    "into the outbox, (n-1)/n of the input per rank; all_gather=ring through shared memory, "
+    "(n-1)/n of the output per rank";
+
+std::string GlooBackendInfo(const std::string& rings) {
+  return "gloo (libgloo, TCP): " + rings +
+         "; broadcast=gloo::broadcast; reduce=gloo::reduce (ring reduce-scatter + gather to "
+         "root); all_to_all=gloo::alltoall; send/recv=gloo unbound buffers; "
+         "barrier=gloo::barrier";
 }
 
 }  // namespace
@@ -183,6 +202,11 @@ struct cai_comm_group {
   std::vector<std::shared_ptr<gloo::Context>> lane_contexts;
   std::vector<gloo::Context*> lanes;
   std::shared_ptr<gloo::Context> check_context;  // the call check's; null when it is off
+  // all_reduce, reduce_scatter and all_gather through shared memory when every rank of the
+  // group could map its neighbour's outbox (comm/shm_ring.h); null: over the lanes.
+  std::unique_ptr<cai::comm::ShmRing> shm;
+  uint64_t shm_seen = 0;     // shm->BytesSent() at the last attribution; guarded by wire_mu
+  std::string backend_info;  // BackendInfo(group)
   // What Gloo's errors may call each rank's connections (comm::AddPeerEndpoints).
   std::vector<std::vector<std::string>> peer_endpoints;
   Counters counters;
@@ -463,7 +487,15 @@ const char* CommOpName(cai_comm_op op) {
 
 class Communicator::Impl {
  public:
-  const char* backend_info() const { return backend_info_.c_str(); }
+  bool shared_memory(const cai_comm_group* group) const {
+    if (group == nullptr) group = world_;
+    return group != nullptr && group->shm != nullptr;
+  }
+
+  const char* backend_info(const cai_comm_group* group) const {
+    if (group == nullptr) group = world_;
+    return group != nullptr ? group->backend_info.c_str() : backend_info_.c_str();
+  }
 
   explicit Impl(const CommOptions& options) : options_(options) {
     if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
@@ -491,7 +523,7 @@ class Communicator::Impl {
     for (int lane = 0; lane < options.lanes; ++lane) {
       devices_.push_back(gloo::transport::tcp::CreateDevice(attr));
     }
-    backend_info_ = GlooBackendInfo(options.lanes);
+    backend_info_ = GlooBackendInfo(TcpRingsInfo(options.lanes));
     if (options.heartbeat_timeout.count() > 0 && options.world_size > 1) {
       comm::LivenessOptions lo;
       lo.rank = options.rank;
@@ -835,6 +867,19 @@ class Communicator::Impl {
         gloo::rendezvous::PrefixStore check_prefix("cai/check/" + std::to_string(id), *store_);
         check->connectFullMesh(check_prefix, devices_[0]);
       }
+      std::string why_not = "launch.comm_transport = \"tcp\"";
+      if (options_.shared_memory && g->size > 1) {
+        const auto all_gather = [&](std::span<const int64_t> mine) {
+          std::vector<int64_t> all(mine.size() * static_cast<size_t>(g->size));
+          comm::AllGatherInt64(*context, mine.data(), all.data(), mine.size(), options_.timeout);
+          return all;
+        };
+        g->shm = comm::ShmRing::Open(g->rank, g->size, all_gather, &why_not);
+      }
+      g->backend_info = GlooBackendInfo(g->shm         ? kShmRingsInfo
+                                        : g->size == 1 ? TcpRingsInfo(options_.lanes)
+                                                       : "not through shared memory (" + why_not +
+                                                             "): " + TcpRingsInfo(options_.lanes));
     } catch (const gloo::Exception& e) {
       throw Error(CAI_UNAVAILABLE, "connecting the ranks of group '" + g->name + "' failed on " +
                                        g->RankName(g->rank) + ": " + e.what());
@@ -915,13 +960,22 @@ class Communicator::Impl {
     g.in_collective = true;
   }
 
+  // A collective through shared memory adds what it wrote into its outbox.
   void WireEnd(cai_comm_group& g, cai_comm_op op) {
     std::optional<uint64_t> bytes;
-    if (g.sent) {
+    if (g.sent || g.shm) {
       std::lock_guard<std::mutex> lock(g.wire_mu);
-      const uint64_t now = g.sent->Read();
-      bytes = now - g.wire_seen;
-      g.wire_seen = now;
+      bytes = 0;
+      if (g.sent) {
+        const uint64_t now = g.sent->Read();
+        *bytes += now - g.wire_seen;
+        g.wire_seen = now;
+      }
+      if (g.shm) {
+        const uint64_t now = g.shm->BytesSent();
+        *bytes += now - g.shm_seen;
+        g.shm_seen = now;
+      }
       g.in_collective = false;
     }
     AddWire(g, op, bytes);
@@ -993,7 +1047,15 @@ class Communicator::Impl {
       try {
         // On connections of its own: its bytes are not on the ones WireEnd reads.
         if (g.check_context) CheckSameCall(g, *w);
-        comm::RunCollective(g.lanes, spec);
+        if (g.shm && comm::ShmRing::Runs(spec)) {
+          g.shm->Run(spec, [&g] {
+            // The ring's neighbours: a wait on one that died fails as its connection would.
+            comm::ThrowIfPeerClosed(*g.context, (g.rank + g.size - 1) % g.size);
+            comm::ThrowIfPeerClosed(*g.context, (g.rank + 1) % g.size);
+          });
+        } else {
+          comm::RunCollective(g.lanes, spec);
+        }
         WireEnd(g, spec.op);
         EndRunning(g, *w);
         w->Finish(CAI_OK, {});
@@ -1164,6 +1226,7 @@ class Communicator::Impl {
       }
       for (gloo::Context* lane : g->lanes) comm::ShutdownConnections(*lane);
       if (g->check_context) comm::ShutdownConnections(*g->check_context);
+      if (g->shm) g->shm->Abort();
     }
   }
 
@@ -1346,7 +1409,13 @@ WireCounters Communicator::WireBytes(const cai_comm_group* group) const {
 
 void Communicator::ResetCounters() { impl_->ResetCounters(); }
 
-const char* Communicator::BackendInfo(const cai_comm_group*) const { return impl_->backend_info(); }
+bool Communicator::SharedMemory(const cai_comm_group* group) const {
+  return impl_->shared_memory(group);
+}
+
+const char* Communicator::BackendInfo(const cai_comm_group* group) const {
+  return impl_->backend_info(group);
+}
 
 const std::string& Communicator::BindAddress() const { return impl_->bind_description(); }
 

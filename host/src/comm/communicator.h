@@ -64,6 +64,9 @@ struct CommOptions {
   // connections, sending and receiving in turn; a second lane lets a rank send and receive at
   // once. 1 = Gloo's single connection.
   int lanes = 2;
+  // all_reduce, reduce_scatter and all_gather of a group whose ranks all share this host go
+  // through shared memory (comm/shm_ring.h) rather than TCP; false keeps every group on TCP.
+  bool shared_memory = true;
 };
 
 // Bytes this rank's sockets actually sent for each operation, measured by the kernel (TCP_INFO)
@@ -72,13 +75,14 @@ struct CommOptions {
 //
 // What counts: the TCP payload sent on the group's connections while the operation ran, Gloo's
 // 48-byte message and notification preambles included; not TCP/IP headers, not TCP's
-// retransmissions (comm/tcp_bytes_sent.h). Collectives run one at a time on their
-// group's worker, which reads the group's connections before and after each: everything sent in
-// between is that collective's, counted when it completes. Point-to-point operations complete on
-// another thread, so they get what the connections sent outside any collective since the previous
-// send or recv completed (their data, and their ready notifications); a send overlapping a
-// collective on the same group is counted in the collective. Totals over all operations are exact
-// either way.
+// retransmissions (comm/tcp_bytes_sent.h). A collective through shared memory counts the bytes
+// it wrote into its outbox for its neighbour (comm/shm_ring.h), its algorithm's volume exactly.
+// Collectives run one at a time on their group's worker, which reads the group's connections before
+// and after each: everything sent in between is that collective's, counted when it completes.
+// Point-to-point operations complete on another thread, so they get what the connections sent
+// outside any collective since the previous send or recv completed (their data, and their ready
+// notifications); a send overlapping a collective on the same group is counted in the collective.
+// Totals over all operations are exact either way.
 //
 // NCCL (CUDA tensors) moves its bytes over NVLink, PCIe or the network without the host
 // seeing them: such operations add nothing to `bytes` and one to `unmeasured_calls`; so do
@@ -142,6 +146,9 @@ class Communicator {
   WireCounters WireBytes(const cai_comm_group* group) const;
   // Resets both the bytes handed and the wire bytes.
   void ResetCounters();
+  // Whether the group's (nullptr: the world's) all_reduce, reduce_scatter and all_gather of
+  // host memory go through shared memory (CommOptions::shared_memory).
+  bool SharedMemory(const cai_comm_group* group) const;
   // What each collective maps to on this group's backend. Static storage.
   const char* BackendInfo(const cai_comm_group* group) const;
   // The local address the collectives bind to and why: "10.1.2.3 (interface eth1 from

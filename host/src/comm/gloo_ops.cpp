@@ -10,6 +10,7 @@
 #include <gloo/reduce.h>
 #include <gloo/types.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -174,8 +175,6 @@ void Elementwise(void* out, const void* a, const void* b, size_t n, Op op) {
   for (size_t i = 0; i < n; ++i) o[i] = C::Store(op(C::Load(x[i]), C::Load(y[i])));
 }
 
-using ReduceFn = std::function<void(void*, const void*, const void*, size_t)>;
-
 template <class T>
 ReduceFn MakeReduce(cai_reduce_op op) {
   using V = typename Compute<T>::type;
@@ -228,6 +227,8 @@ decltype(auto) Dispatch(DType dtype, Fn&& fn) {
   return fn(uint8_t{});
 }
 
+}  // namespace
+
 ReduceFn ReduceFor(DType dtype, cai_reduce_op op) {
   return Dispatch(dtype, [&](auto t) { return MakeReduce<decltype(t)>(op); });
 }
@@ -236,6 +237,8 @@ void Average(const Buffer& buffer, int group_size) {
   Dispatch(buffer.dtype,
            [&](auto t) { DivideInPlace<decltype(t)>(buffer.data, buffer.numel, group_size); });
 }
+
+namespace {
 
 // Gloo's option classes take the element type as a template argument only for its size; an
 // opaque element of the right size lets one code path serve every dtype.
@@ -576,6 +579,21 @@ void ShutdownConnections(gloo::Context& context) {
     if (peer == context.rank) continue;
     auto* pair = dynamic_cast<gloo::transport::tcp::Pair*>(context.getPair(peer).get());
     if (pair != nullptr) WithPairSocket(*pair, [](int fd) { ::shutdown(fd, SHUT_RDWR); });
+  }
+}
+
+void ThrowIfPeerClosed(gloo::Context& context, int peer) {
+  auto* pair = dynamic_cast<gloo::transport::tcp::Pair*>(context.getPair(peer).get());
+  if (pair == nullptr) return;
+  bool hung_up = false;
+  const bool open = WithPairSocket(*pair, [&](int fd) {
+    pollfd p{fd, POLLRDHUP, 0};
+    hung_up = ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+  });
+  if (!open || hung_up) {
+    // Gloo's own wording, which the communicator's ClosedBy matches to name the rank.
+    throw gloo::IoException("shared-memory ring: connection closed by peer " +
+                            (pair->*PairSocket::kPeer).str());
   }
 }
 

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -43,6 +44,13 @@ struct OpSpec {
   std::chrono::milliseconds timeout{0};
 };
 
+// out[i] = a[i] op b[i] for n elements (out may be a or b); bf16/fp16 computed in fp32 and
+// rounded once. AVG sums: Average divides afterwards.
+using ReduceFn = std::function<void(void*, const void*, const void*, size_t)>;
+ReduceFn ReduceFor(DType dtype, cai_reduce_op op);
+// Divides every element by group_size (CAI_REDUCE_AVG after the sum).
+void Average(const Buffer& buffer, int group_size);
+
 // Runs one collective (every op but SEND/RECV) to completion. `lanes` are contexts over the
 // same ranks, each on a transport device (I/O thread) of its own; lanes[0] runs everything
 // small and every op but all_reduce, reduce_scatter and all_gather, which are split over the
@@ -66,6 +74,11 @@ void AllGatherInt64(gloo::Context& context, const int64_t* in, int64_t* out, siz
 // waiting on them fails at once with Gloo's "connection closed" instead of at its timeout; the
 // peers see the connections close too. For aborting a communicator whose peer is lost.
 void ShutdownConnections(gloo::Context& context);
+
+// Throws gloo::IoException "... closed by peer <address>" (Gloo's words for a lost peer) when
+// the connection to `peer` is closed or hung up on; returns at once otherwise. For waits that do
+// not go through the connection (comm/shm_ring.h), so that a dead neighbour still fails them.
+void ThrowIfPeerClosed(gloo::Context& context, int peer);
 
 // Adds to by_rank[r] (resized to the group) the names Gloo's errors may give the connection to
 // rank r ("[127.0.0.1]:41234": its listening address, or the socket's peer address), so that

@@ -25,6 +25,7 @@ const char* const kOptimKinds[] = {"adamw", "adam", "sgd", nullptr};
 const char* const kSources[] = {"default", "tokens", "text", nullptr};
 const char* const kPrecisions[] = {"fp32", "bf16", "fp16", nullptr};
 const char* const kBackends[] = {"gloo", "nccl", nullptr};
+const char* const kTransports[] = {"auto", "tcp", nullptr};
 const char* const kInitDevices[] = {"device", "host", "lazy", nullptr};
 
 const cai_config_key kModelKeys[] = {
@@ -188,6 +189,11 @@ const cai_config_key kLaunchKeys[] = {
            "Connections per peer, each with its own I/O thread, that all_reduce, reduce_scatter "
            "and all_gather of 1 MiB or more per lane are split over (1 = one connection).",
            1, 16, kMinMax),
+    StringKey("comm_transport", "\"auto\"",
+              "How gloo's all_reduce, reduce_scatter and all_gather travel: auto = through "
+              "shared memory when every rank of the group is on this host (else TCP), tcp = "
+              "always over the connections.",
+              kTransports),
     StringKey("socket_ifname", "\"\"",
               "Network interface the collectives bind to (\"\" = CAI_SOCKET_IFNAME, else "
               "GLOO_SOCKET_IFNAME, else the route to master_addr)."),

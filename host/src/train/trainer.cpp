@@ -1075,6 +1075,7 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
         std::llround(1000 * GetFloat(*job.launch, "heartbeat_timeout_s")));
     comm.check_calls = GetBool(*job.launch, "check_calls");
     comm.lanes = static_cast<int>(GetInt(*job.launch, "comm_lanes"));
+    comm.shared_memory = GetString(*job.launch, "comm_transport") == "auto";
     comm.socket_ifname = GetString(*job.launch, "socket_ifname");
     comm.on_peer_failure = [](const std::string& report) {
       // The training loop may be computing, not waiting on the communicator, for a long time:
@@ -1089,6 +1090,13 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
     Communicator& communicator = Communicator::Init(comm);
     if (env.world_size > 1) {
       Log(CAI_LOG_INFO, "", "collectives bind to " + communicator.BindAddress());
+      const std::string info = communicator.BackendInfo(nullptr);
+      const size_t why = info.find("not through shared memory (");
+      Log(CAI_LOG_INFO, "",
+          communicator.SharedMemory(nullptr)
+              ? "all_reduce, reduce_scatter and all_gather go through shared memory"
+              : "all_reduce, reduce_scatter and all_gather go over TCP, " +
+                    info.substr(why, info.find("):", why) + 1 - why));
     }
     int code = Run(options, std::move(job), env, run_dir).Execute();
     Communicator::Shutdown();

@@ -184,22 +184,53 @@ TEST(Comm, Comm_TwoAndThreeRanks_AllGatherInPlace_ConcatenatesInRankOrder) {
   }
 }
 
-// Large collectives are split over the lanes (comm::RunCollective), each lane moving an
-// uneven share of every chunk on connections of its own: one lane, and three, give the same
-// values at sizes that do not divide by the lanes, the ranks or Gloo's 1 MiB segments.
-TEST(Comm, Comm_TwoAndThreeRanks_LargeOpsOverOneAndThreeLanes_MatchReference) {
+// Large collectives through shared memory (comm/shm_ring.h: segments of 256 KiB, eight slots
+// per outbox) and, with the shared memory turned off, over TCP split over the lanes
+// (comm::RunCollective), each lane moving an uneven share of every chunk on connections of its
+// own: all give the same values at sizes that do not divide by the slots, the lanes, the ranks
+// or Gloo's 1 MiB segments.
+TEST(Comm,
+     Comm_TwoAndThreeRanks_LargeOpsThroughSharedMemoryAndOverOneAndThreeLanes_MatchReference) {
+  struct Transport {
+    bool shared_memory;
+    int lanes;
+  };
   for (int world : {2, 3}) {
-    for (int lanes : {1, 3}) {
-      RunRanks(world, [lanes](const RankContext& ctx) {
-        InitRank(ctx, kTimeout, lanes);
+    for (const Transport t : {Transport{true, 2}, Transport{false, 1}, Transport{false, 3}}) {
+      RunRanks(world, [t](const RankContext& ctx) {
+        InitRank(ctx, kTimeout, t.lanes, t.shared_memory);
+        ASSERT_EQ(Communicator::Get()->SharedMemory(nullptr), t.shared_memory);
         CheckAllReduce<float>(ctx, kF32, CAI_REDUCE_AVG, 786433);
         CheckAllReduce<int32_t>(ctx, kI32, CAI_REDUCE_MAX, 1048577);
+        CheckAllReduce<double>(ctx, kF64, CAI_REDUCE_SUM, 2);  // 3 ranks: an empty chunk
         CheckReduceScatter(ctx, 700001, CAI_REDUCE_AVG);
         CheckReduceScatter(ctx, 400003, CAI_REDUCE_SUM);
         CheckAllGather(ctx, 400003);
         CheckAllGatherInPlace(ctx, 786433);
       });
     }
+  }
+}
+
+// Which transport a group's ring collectives take is the one backend_info names.
+TEST(Comm, Comm_TwoRanks_BackendInfo_NamesTheTransport) {
+  for (bool shared_memory : {true, false}) {
+    RunRanks(2, [shared_memory](const RankContext& ctx) {
+      InitRank(ctx, kTimeout, CommOptions{}.lanes, shared_memory);
+      const std::string info = Api().backend_info(nullptr);
+      EXPECT_EQ(info.find("reduce_scatter=ring through shared memory") != std::string::npos,
+                shared_memory)
+          << info;
+      EXPECT_EQ(info.find("not through shared memory (launch.comm_transport = \"tcp\")") !=
+                    std::string::npos,
+                !shared_memory)
+          << info;
+      const int32_t both[] = {0, 1};
+      cai_comm_group* g = nullptr;
+      CAI_EXPECT_OK(Api().new_group(both, 2, &g));
+      EXPECT_EQ(Communicator::Get()->SharedMemory(g), shared_memory);
+      Api().destroy_group(g);
+    });
   }
 }
 

@@ -30,13 +30,15 @@ struct RankContext {
 };
 
 inline void InitRank(const RankContext& ctx, std::chrono::milliseconds timeout,
-                     int lanes = CommOptions{}.lanes) {
+                     int lanes = CommOptions{}.lanes,
+                     bool shared_memory = CommOptions{}.shared_memory) {
   CommOptions options;
   options.rank = ctx.rank;
   options.world_size = ctx.world_size;
   options.master_port = ctx.port;
   options.timeout = timeout;
   options.lanes = lanes;
+  options.shared_memory = shared_memory;
   Communicator::Init(options);
 }
 

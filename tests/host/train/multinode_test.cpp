@@ -114,15 +114,11 @@ TEST(MultiNode, MultiNode_TwoNamespacesOverVeth_MatchesReferenceAndLostNodeIsDet
   // The run: 6 steps of ddp over the veth pair.
   const fs::path dir = root / "veth";
   WriteJob(dir);
-  std::vector<std::string> args = {CAI_EXE,
-                                   "train",
-                                   (dir / "job.toml").string(),
-                                   "--run-dir",
-                                   (dir / "run").string(),
-                                   "--set",
-                                   "plugin.name=ddp",
-                                   "--set",
-                                   batch[0]};
+  std::vector<std::string> args = {CAI_EXE, "train", (dir / "job.toml").string(), "--run-dir",
+                                   (dir / "run").string(), "--set", "plugin.name=ddp",
+                                   // The "nodes" share this host's /dev/shm: TCP, as between
+                                   // real nodes.
+                                   "--set", "launch.comm_transport=tcp", "--set", batch[0]};
   std::vector<RankProcess> ranks;
   for (int r = 0; r < 4; ++r) {
     ranks.push_back(nodes.Start(r, args, dir / ("rank-" + std::to_string(r) + ".out")));
@@ -136,6 +132,9 @@ TEST(MultiNode, MultiNode_TwoNamespacesOverVeth_MatchesReferenceAndLostNodeIsDet
     CAI_EXPECT_CONTAINS(ReadFile(ranks[r].log), "collectives bind to " + nodes.address(r / 2) +
                                                     " (interface " + nodes.ifname(r / 2) +
                                                     " from CAI_SOCKET_IFNAME)");
+    CAI_EXPECT_CONTAINS(ReadFile(ranks[r].log),
+                        "all_reduce, reduce_scatter and all_gather go over TCP, not through "
+                        "shared memory (launch.comm_transport = \"tcp\")");
   }
   TrainRun run = conformance::ReadRun(dir / "run");
   run.exit_code = 0;

@@ -105,13 +105,16 @@ std::unique_ptr<ShmRing> ShmRing::Open(int rank, int size, const Exchange& all_g
       h->magic = kMagic;
     }
     close(fd);
+    if (!problem.empty()) shm_unlink(own_name.c_str());  // nobody will look for it
   }
 
   const int64_t mine = problem.empty() ? static_cast<int64_t>(id) : 0;
   const std::vector<int64_t> ids = all_gather(std::span<const int64_t>(&mine, 1));
   const int left = (rank + size - 1) % size;
   const uint64_t left_id = static_cast<uint64_t>(ids.at(static_cast<size_t>(left)));
-  if (problem.empty() && left_id == 0) problem = "rank " + std::to_string(left) + " failed";
+  if (problem.empty() && left_id == 0) {
+    problem = "rank " + std::to_string(left) + " could not create its outbox";
+  }
   if (problem.empty()) {
     const std::string left_name = Name(left_id);
     const int lfd = shm_open(left_name.c_str(), O_RDWR, 0);
@@ -140,7 +143,9 @@ std::unique_ptr<ShmRing> ShmRing::Open(int rank, int size, const Exchange& all_g
   if (mine != 0) shm_unlink(own_name.c_str());
   for (int r = 0; r < size && problem.empty(); ++r) {
     if (verdicts.at(static_cast<size_t>(r)) == 0) {
-      problem = "rank " + std::to_string(r) + " could not map its neighbour's outbox";
+      problem = "rank " + std::to_string(r) +
+                " could not create its outbox or map its "
+                "neighbour's";
     }
   }
   if (!problem.empty()) {

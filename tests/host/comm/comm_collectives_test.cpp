@@ -1,6 +1,9 @@
 // Every collective on 2 and 3 ranks (3: nothing divides evenly) against values computed here.
+#include <sys/resource.h>
+
 #include <bit>
 #include <cmath>
+#include <csignal>
 #include <cstring>
 
 #include "comm_test_util.h"
@@ -209,6 +212,34 @@ TEST(Comm,
         CheckAllGatherInPlace(ctx, 786433);
       });
     }
+  }
+}
+
+// One rank that cannot reserve its outbox (here: a file size limit below the outbox's 2 MiB,
+// as a full /dev/shm would) keeps every rank of the group on TCP, each naming why, and the
+// collectives still give the right values.
+TEST(Comm, Comm_TwoAndThreeRanks_OneRankWithoutSharedMemory_AllFallBackToTcp) {
+  for (int world : {2, 3}) {
+    RunRanks(world, [](const RankContext& ctx) {
+      if (ctx.rank == 1) {
+        std::signal(SIGXFSZ, SIG_IGN);  // posix_fallocate then fails with EFBIG
+        const rlimit limit{size_t{1} << 20, size_t{1} << 20};
+        ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
+      }
+      InitRank(ctx, kTimeout);
+      EXPECT_FALSE(Communicator::Get()->SharedMemory(nullptr));
+      const std::string info = Api().backend_info(nullptr);
+      // The others learn it from the exchange, as "... could not create its outbox" (rank 1's
+      // right neighbour) or "... could not create its outbox or map its neighbour's".
+      const std::string why = ctx.rank == 1
+                                  ? "not through shared memory (reserving 2101248 B in /dev/shm: "
+                                    "File too large): all_reduce=gloo::allreduce ring"
+                                  : "not through shared memory (rank 1 could not create its outbox";
+      EXPECT_NE(info.find(why), std::string::npos) << info;
+      CheckAllReduce<float>(ctx, kF32, CAI_REDUCE_SUM, 1001);
+      CheckReduceScatter(ctx, 17, CAI_REDUCE_SUM);
+      CheckAllGather(ctx, 1001);
+    });
   }
 }
 

@@ -327,9 +327,23 @@ void ShmRing::AllReduce(const OpSpec& spec) {
   }
 }
 
+// The operation's deadline and peer check, for as long as it runs.
+class ShmRing::Scope {
+ public:
+  Scope(ShmRing& ring, std::chrono::milliseconds timeout, const CheckPeers& check) : ring_(ring) {
+    ring_.deadline_ = std::chrono::steady_clock::now() + timeout;
+    ring_.check_ = &check;
+  }
+  ~Scope() { ring_.check_ = nullptr; }
+  Scope(const Scope&) = delete;
+  Scope& operator=(const Scope&) = delete;
+
+ private:
+  ShmRing& ring_;
+};
+
 void ShmRing::Run(const OpSpec& spec, const CheckPeers& check) {
-  deadline_ = std::chrono::steady_clock::now() + spec.timeout;
-  check_ = &check;
+  const Scope scope(*this, spec.timeout, check);
   switch (spec.op) {
     case CAI_COMM_REDUCE_SCATTER:
       ReduceScatter(spec);
@@ -341,13 +355,11 @@ void ShmRing::Run(const OpSpec& spec, const CheckPeers& check) {
       AllReduce(spec);
       break;
   }
-  check_ = nullptr;
 }
 
 void ShmRing::Stream(const std::byte* src, std::byte* dst, size_t window, size_t bytes,
                      std::chrono::milliseconds timeout, const CheckPeers& check) {
-  deadline_ = std::chrono::steady_clock::now() + timeout;
-  check_ = &check;
+  const Scope scope(*this, timeout, check);
   for (size_t off = 0; off < bytes;) {
     const size_t len = std::min({kSlotBytes, bytes - off, window - off % window});
     std::memcpy(BeginSend(), src + off % window, len);
@@ -356,7 +368,6 @@ void ShmRing::Stream(const std::byte* src, std::byte* dst, size_t window, size_t
     EndReceive();
     off += len;
   }
-  check_ = nullptr;
 }
 
 }  // namespace cai::comm

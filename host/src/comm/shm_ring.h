@@ -72,6 +72,7 @@ class ShmRing {
   struct Header;
 
  private:
+  class Scope;
   ShmRing(int rank, int size);
   std::byte* BeginSend();
   void EndSend(size_t bytes);

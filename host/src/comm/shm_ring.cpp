@@ -85,6 +85,16 @@ std::unique_ptr<ShmRing> ShmRing::Open(int rank, int size, const Exchange& all_g
   id |= 1;  // never 0, which says "failed" in the exchange
   const std::string own_name = Name(id);
   const int fd = shm_open(own_name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  // The name goes once every rank has mapped or given up, or at once if this rank cannot use
+  // it, or when the exchange throws (a rank lost during setup): never left in /dev/shm.
+  struct Unlink {
+    std::string name;
+    void Now() {
+      if (!name.empty()) shm_unlink(name.c_str());
+      name.clear();
+    }
+    ~Unlink() { Now(); }
+  } unlink_own{fd >= 0 ? own_name : std::string()};
   if (fd < 0) {
     problem = Errno("shm_open " + own_name);
   } else {
@@ -105,7 +115,7 @@ std::unique_ptr<ShmRing> ShmRing::Open(int rank, int size, const Exchange& all_g
       h->magic = kMagic;
     }
     close(fd);
-    if (!problem.empty()) shm_unlink(own_name.c_str());  // nobody will look for it
+    if (!problem.empty()) unlink_own.Now();  // nobody will look for it
   }
 
   const int64_t mine = problem.empty() ? static_cast<int64_t>(id) : 0;
@@ -140,12 +150,10 @@ std::unique_ptr<ShmRing> ShmRing::Open(int rank, int size, const Exchange& all_g
   // Everyone has mapped or given up: no name is needed any more.
   const int64_t ok = problem.empty() ? 1 : 0;
   const std::vector<int64_t> verdicts = all_gather(std::span<const int64_t>(&ok, 1));
-  if (mine != 0) shm_unlink(own_name.c_str());
+  unlink_own.Now();
   for (int r = 0; r < size && problem.empty(); ++r) {
     if (verdicts.at(static_cast<size_t>(r)) == 0) {
-      problem = "rank " + std::to_string(r) +
-                " could not create its outbox or map its "
-                "neighbour's";
+      problem = "rank " + std::to_string(r) + " could not create its outbox or map its neighbour's";
     }
   }
   if (!problem.empty()) {

@@ -152,8 +152,8 @@ TEST(Watch, TrainTwoRanks_OnATerminal_UpdatesRankZerosStepLineInPlace) {
   ASSERT_EQ(r.code, 0) << r.output;
   // The launcher draws the last bar of what it read at once: under load two steps can arrive
   // together, so which steps get a bar of their own is not fixed, only that one is redrawn.
-  EXPECT_TRUE(std::regex_search(
-      r.output, std::regex(R"(\r\[rank 0\] \[#+\.*\] step [1-3]/3  loss )")))
+  EXPECT_TRUE(
+      std::regex_search(r.output, std::regex(R"(\r\[rank 0\] \[#+\.*\] step [1-3]/3  loss )")))
       << r.output;
   CAI_EXPECT_CONTAINS(r.output, "[rank 0] [########################] step 3/3  loss ");
   EXPECT_EQ(r.output.find("[info] step 1/3"), std::string::npos) << r.output;

@@ -111,6 +111,22 @@ double CpuSeconds() {
   return seconds(usage.ru_utime) + seconds(usage.ru_stime);
 }
 
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The slowest rank's seconds for fn, started together.
+template <class Fn>
+double Timed(Communicator& comm, Fn&& fn) {
+  comm.Barrier();
+  const auto start = std::chrono::steady_clock::now();
+  fn();
+  return comm.AllReduce(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+      CAI_REDUCE_MAX);
+}
+
 // Plain TCP connections around the ring, each rank to the next, beside the communicator's own.
 // They measure two things in the same run as the collectives:
 // - the bound: each rank sends `bytes` to the next rank while it receives as much from the
@@ -186,7 +202,7 @@ class PlainRing {
     const double ring_bytes = static_cast<double>(count * sizeof(float)) * (n_ - 1) / n_;
     for (int i = 0; i <= reps; ++i) {
       double busy = 0;
-      const double t_bound = Timed([&] {
+      const double t_bound = Timed(comm_, [&] {
         const double cpu0 = CpuSeconds();
         const auto start = std::chrono::steady_clock::now();
         Exchange(send_buf.data(), recv_buf.data(), bytes, bytes, [](size_t, size_t) {});
@@ -194,8 +210,9 @@ class PlainRing {
                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       });
       busy = comm_.AllReduce(busy, CAI_REDUCE_SUM) / n_;
-      const double t_rs = Timed([&] { ReduceScatter(whole.data(), part.data(), scratch, block); });
-      const double t_ag = Timed([&] { AllGather(part.data(), whole.data(), block); });
+      const double t_rs =
+          Timed(comm_, [&] { ReduceScatter(whole.data(), part.data(), scratch, block); });
+      const double t_ag = Timed(comm_, [&] { AllGather(part.data(), whole.data(), block); });
       if (i == 0) continue;  // the first run grows the socket buffers
       bound.push_back(static_cast<double>(bytes) / t_bound / 1e9);
       cpu.push_back(busy);
@@ -206,23 +223,8 @@ class PlainRing {
   }
 
  private:
-  static double Median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  }
   int Next() const { return (r_ + 1) % n_; }
   int Prev() const { return (r_ + n_ - 1) % n_; }
-
-  // The slowest rank's seconds for fn, started together.
-  template <class Fn>
-  double Timed(Fn&& fn) {
-    comm_.Barrier();
-    const auto start = std::chrono::steady_clock::now();
-    fn();
-    return comm_.AllReduce(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
-        CAI_REDUCE_MAX);
-  }
 
   // Sends `bytes` from `send` to the next rank on a thread while receiving as much from the
   // previous one into `recv`, `segment` bytes at a time, calling arrived(offset, length) after
@@ -318,32 +320,24 @@ class ShmBound {
   // Medians over `reps` runs of each, alternating, after one that faults the pages in.
   Figures Measure(size_t bytes, int reps) {
     std::vector<std::byte> src(bytes, std::byte{1}), dst(bytes);
+    const comm::ShmRing::CheckPeers none;
+    auto stream = [&](size_t window) {
+      return Timed(comm_, [&] {
+        ring_->Stream(src.data(), dst.data(), window, bytes, std::chrono::minutes(2), none);
+      });
+    };
     std::vector<double> bound, copy;
     for (int i = 0; i <= reps; ++i) {
-      const double t_bound = Timed(src, dst, comm::ShmRing::kSlotBytes, bytes);
-      const double t_copy = Timed(src, dst, bytes, bytes);
+      const double t_bound = stream(comm::ShmRing::kSlotBytes);
+      const double t_copy = stream(bytes);
       if (i == 0) continue;
       bound.push_back(static_cast<double>(bytes) / t_bound / 1e9);
       copy.push_back(static_cast<double>(bytes) / t_copy / 1e9);
     }
-    std::sort(bound.begin(), bound.end());
-    std::sort(copy.begin(), copy.end());
-    return {bound[bound.size() / 2], copy[copy.size() / 2]};
+    return {Median(bound), Median(copy)};
   }
 
  private:
-  // The slowest rank's seconds, started together.
-  double Timed(const std::vector<std::byte>& src, std::vector<std::byte>& dst, size_t window,
-               size_t bytes) {
-    const comm::ShmRing::CheckPeers none;
-    comm_.Barrier();
-    const auto start = std::chrono::steady_clock::now();
-    ring_->Stream(src.data(), dst.data(), window, bytes, std::chrono::minutes(2), none);
-    return comm_.AllReduce(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
-        CAI_REDUCE_MAX);
-  }
-
   Communicator& comm_;
   std::unique_ptr<comm::ShmRing> ring_;
 };

@@ -926,8 +926,8 @@ class HybridParallel {
     const int zero = static_cast<int>(config.Int("zero_stage"));
     const bool mixed = args.precision != CAI_PRECISION_FP32;
     const uint64_t e = mixed ? 2 : 4, k = args.optimizer_state_slots;
-    // The step's agreement all-reduced over the world (StepEpilogue).
-    const uint64_t flags = args.world_size > 1 ? 8ull * (2 + n) : 0;
+    // The step's agreement is all-reduced over the world.
+    const uint64_t flags = sdk::StepEpilogue::AgreementBytes(n, args.world_size);
     sdk::ZeroOptimizer::Options o;
     o.stage = std::max(1, zero);
     o.bucket_cap = static_cast<size_t>(config.Float("zero_bucket_size_in_m") * (1 << 20));

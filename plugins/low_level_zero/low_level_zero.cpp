@@ -200,7 +200,8 @@ class LowLevelZero {
                                           cai::sdk::ComputeDtype(args.precision));
       cai::sdk::ZeroOptimizer::EstimateMemory(
           {args.param_numel, args.num_layout_params}, args.world_size, o,
-          args.optimizer_state_slots, args.world_size > 1 ? 8ull * (2 + args.num_layout_params) : 0)
+          args.optimizer_state_slots,
+          cai::sdk::StepEpilogue::AgreementBytes(args.num_layout_params, args.world_size))
           .Fill(out);
       out.formula =
           "this model's buckets as boost lays them out: parameters e·P (P = Σ N·ceil(Ψ_b/N), "

@@ -64,6 +64,13 @@ class StepEpilogue {
   double loss_scale() const { return scaler_ ? scaler_->scale() : 1.0; }
   int64_t step() const { return step_; }  // optimizer steps made so far
 
+  // Bytes Decide all-reduces to agree over a group of `group_size` on a model of `params`
+  // trainable parameters (the sum of squares, the overflow flag and a used flag per parameter,
+  // a double each), nothing on one rank: for memory estimates.
+  static uint64_t AgreementBytes(uint64_t params, int32_t group_size) {
+    return group_size > 1 ? 8 * (2 + params) : 0;
+  }
+
   // Agrees on `sums` over `group` (NULL: the world) when `agree`, else takes them as already
   // global (e.g. DDP's all-reduced buckets, the same on every rank), then decides the step and
   // fills `result`. Collective over `group` when `agree`.

@@ -344,7 +344,7 @@ class ZeroOptimizer {
   // What a ZeroOptimizer over parameters of `numel` elements (registration order, as the
   // constructor takes them) on `group_size` ranks holds per rank, with `state_slots` fp32
   // optimizer state slots per element, its owner's step agreement all-reducing `flags_bytes`
-  // (StepEpilogue: 8·(2 + the model's parameters) over more than one rank, else 0): its
+  // (StepEpilogue::AgreementBytes): its
   // buffers, and the most each tier's pool holds at once over construction, steps and a
   // checkpoint.
   // Exact when gradients become ready bucket by bucket (a tied weight's a bucket early

@@ -378,10 +378,7 @@ int RunCommBenchmark(const CommBenchOptions& options, std::ostream& out) {
     }
     // A broadcast's receivers send nothing back: the ring's bound is not its.
     auto bounded = [&](cai_comm_op op) { return n > 1 && op != CAI_COMM_BROADCAST; };
-    auto through_shm = [&](cai_comm_op op) {
-      return shm && (op == CAI_COMM_ALL_REDUCE || op == CAI_COMM_REDUCE_SCATTER ||
-                     op == CAI_COMM_ALL_GATHER);
-    };
+    auto through_shm = [&](cai_comm_op op) { return shm && comm::ShmRing::Runs(op); };
     char line[400];
     if (print) {
       out << "# cai comm benchmark: " << n << " ranks, float32, sum, " << comm->BackendInfo(nullptr)

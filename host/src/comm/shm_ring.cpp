@@ -163,10 +163,12 @@ std::unique_ptr<ShmRing> ShmRing::Open(int rank, int size, const Exchange& all_g
   return ring;
 }
 
+bool ShmRing::Runs(cai_comm_op op) {
+  return op == CAI_COMM_ALL_REDUCE || op == CAI_COMM_REDUCE_SCATTER || op == CAI_COMM_ALL_GATHER;
+}
+
 bool ShmRing::Runs(const OpSpec& spec) {
-  const bool host = spec.input.cuda_device < 0 && spec.output.cuda_device < 0;
-  return host && (spec.op == CAI_COMM_ALL_REDUCE || spec.op == CAI_COMM_REDUCE_SCATTER ||
-                  spec.op == CAI_COMM_ALL_GATHER);
+  return spec.input.cuda_device < 0 && spec.output.cuda_device < 0 && Runs(spec.op);
 }
 
 void ShmRing::Abort() {

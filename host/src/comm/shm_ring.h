@@ -51,7 +51,8 @@ class ShmRing {
   ShmRing(const ShmRing&) = delete;
   ShmRing& operator=(const ShmRing&) = delete;
 
-  // What this ring runs: all_reduce, reduce_scatter and all_gather of host memory.
+  // What this ring runs: all_reduce, reduce_scatter and all_gather (of host memory).
+  static bool Runs(cai_comm_op op);
   static bool Runs(const OpSpec& spec);
   // Runs one of them to completion by spec.timeout. Throws std::runtime_error with "Timed out"
   // on the deadline and whatever `check` throws for a lost neighbour; after a throw the ring's

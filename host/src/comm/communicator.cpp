@@ -205,6 +205,7 @@ struct cai_comm_group {
   // all_reduce, reduce_scatter and all_gather through shared memory when every rank of the
   // group could map its neighbour's outbox (comm/shm_ring.h); null: over the lanes.
   std::unique_ptr<cai::comm::ShmRing> shm;
+  std::string shm_why_not;   // why `shm` is null; empty when it is not
   uint64_t shm_seen = 0;     // shm->BytesSent() at the last attribution; guarded by wire_mu
   std::string backend_info;  // BackendInfo(group)
   // What Gloo's errors may call each rank's connections (comm::AddPeerEndpoints).
@@ -490,6 +491,11 @@ class Communicator::Impl {
   bool shared_memory(const cai_comm_group* group) const {
     if (group == nullptr) group = world_;
     return group != nullptr && group->shm != nullptr;
+  }
+
+  std::string why_not_shared_memory(const cai_comm_group* group) const {
+    if (group == nullptr) group = world_;
+    return group != nullptr ? group->shm_why_not : "no world group";
   }
 
   const char* backend_info(const cai_comm_group* group) const {
@@ -867,8 +873,10 @@ class Communicator::Impl {
         gloo::rendezvous::PrefixStore check_prefix("cai/check/" + std::to_string(id), *store_);
         check->connectFullMesh(check_prefix, devices_[0]);
       }
-      std::string why_not = "launch.comm_transport = \"tcp\"";
-      if (options_.shared_memory && g->size > 1) {
+      std::string why_not = g->size == 1              ? "a group of one rank"
+                            : !options_.shared_memory ? "launch.comm_transport = \"tcp\""
+                                                      : "";
+      if (why_not.empty()) {
         const auto all_gather = [&](std::span<const int64_t> mine) {
           std::vector<int64_t> all(mine.size() * static_cast<size_t>(g->size));
           comm::AllGatherInt64(*context, mine.data(), all.data(), mine.size(), options_.timeout);
@@ -876,10 +884,12 @@ class Communicator::Impl {
         };
         g->shm = comm::ShmRing::Open(g->rank, g->size, all_gather, &why_not);
       }
+      if (g->shm) why_not.clear();
       g->backend_info = GlooBackendInfo(g->shm         ? kShmRingsInfo
                                         : g->size == 1 ? TcpRingsInfo(options_.lanes)
                                                        : "not through shared memory (" + why_not +
                                                              "): " + TcpRingsInfo(options_.lanes));
+      g->shm_why_not = std::move(why_not);
     } catch (const gloo::Exception& e) {
       throw Error(CAI_UNAVAILABLE, "connecting the ranks of group '" + g->name + "' failed on " +
                                        g->RankName(g->rank) + ": " + e.what());
@@ -1408,6 +1418,10 @@ WireCounters Communicator::WireBytes(const cai_comm_group* group) const {
 }
 
 void Communicator::ResetCounters() { impl_->ResetCounters(); }
+
+std::string Communicator::WhyNotSharedMemory(const cai_comm_group* group) const {
+  return impl_->why_not_shared_memory(group);
+}
 
 bool Communicator::SharedMemory(const cai_comm_group* group) const {
   return impl_->shared_memory(group);

@@ -149,6 +149,9 @@ class Communicator {
   // Whether the group's (nullptr: the world's) all_reduce, reduce_scatter and all_gather of
   // host memory go through shared memory (CommOptions::shared_memory).
   bool SharedMemory(const cai_comm_group* group) const;
+  // Why they do not ("launch.comm_transport = \"tcp\"", "rank 1 could not create its
+  // outbox", ...); empty when they do.
+  std::string WhyNotSharedMemory(const cai_comm_group* group) const;
   // What each collective maps to on this group's backend. Static storage.
   const char* BackendInfo(const cai_comm_group* group) const;
   // The local address the collectives bind to and why: "10.1.2.3 (interface eth1 from

@@ -1090,13 +1090,12 @@ int RunRank(const TrainOptions& options, JobConfig job, const launch::RankEnv& e
     Communicator& communicator = Communicator::Init(comm);
     if (env.world_size > 1) {
       Log(CAI_LOG_INFO, "", "collectives bind to " + communicator.BindAddress());
-      const std::string info = communicator.BackendInfo(nullptr);
-      const size_t why = info.find("not through shared memory (");
+      const std::string why_not = communicator.WhyNotSharedMemory(nullptr);
       Log(CAI_LOG_INFO, "",
-          communicator.SharedMemory(nullptr)
-              ? "all_reduce, reduce_scatter and all_gather go through shared memory"
-              : "all_reduce, reduce_scatter and all_gather go over TCP, " +
-                    info.substr(why, info.find("):", why) + 1 - why));
+          why_not.empty() ? "all_reduce, reduce_scatter and all_gather go through shared memory"
+                          : "all_reduce, reduce_scatter and all_gather go over TCP, not through "
+                            "shared memory (" +
+                                why_not + ")");
     }
     int code = Run(options, std::move(job), env, run_dir).Execute();
     Communicator::Shutdown();
